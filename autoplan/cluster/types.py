@@ -1,0 +1,74 @@
+"""A cluster as data: the device, how many per node, how many nodes, and the two link levels.
+
+Frozen values read from profiles/*.yaml (see load.py) or written by the profiler (probe.py). The cost
+model reads nothing else about hardware.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeviceSpec:
+    """One accelerator (or one CPU rank). Peak FLOP/s are dense (no sparsity), per dtype name
+    ("bf16", "fp16", "tf32", "fp32"), as (dtype, flops) pairs so the value stays hashable."""
+
+    name: str
+    peak_flops: tuple[tuple[str, float], ...]
+    mem_bytes: int
+    mem_bw_bytes_per_s: float
+    # achievable fractions of peak, named so the cost model never holds a literal
+    matmul_efficiency: float  # large GEMMs (e.g. 8192^3 bf16)
+    matmul_half_size_flops: float  # FLOPs of one matmul at which efficiency is half of the large-GEMM one
+    attention_efficiency: float  # fused attention kernel, fraction of peak
+    mem_bw_efficiency: float  # fraction of mem_bw reached by elementwise kernels (STREAM-like)
+    runtime_reserve_bytes: int  # context, allocator fragmentation, NCCL buffers: not available to training
+
+    def peak(self, dtype: str = "bf16") -> float:
+        table = dict(self.peak_flops)
+        if dtype not in table:
+            raise ValueError(f"device {self.name!r} has no peak FLOP/s for dtype {dtype!r}: has {sorted(table)}")
+        return table[dtype]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LinkSpec:
+    """One level of the interconnect, as seen by one device (unidirectional bandwidth per device)."""
+
+    name: str  # "nvlink", "infiniband", "loopback", ...
+    bw_bytes_per_s: float  # per device, one direction
+    latency_s: float  # alpha of the alpha-beta model, per step of a ring
+    allreduce_busbw_fraction: float  # nccl-tests bus bandwidth reached by large all-reduces / bw
+    alltoall_bw_fraction: float  # algorithm bandwidth of large all-to-alls / bw
+    p2p_bw_fraction: float  # send/recv bandwidth / bw
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ClusterSpec:
+    """num_nodes nodes of devices_per_node devices each; intra_node links inside a node, inter_node
+    across nodes (per device: on DGX each GPU has its own NIC)."""
+
+    name: str
+    device: DeviceSpec
+    devices_per_node: int
+    num_nodes: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+    dtype: str = "bf16"  # training compute dtype the planner assumes
+    source: str = ""  # the file it came from
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name in ("devices_per_node", "num_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+    @property
+    def num_devices(self) -> int:
+        return self.devices_per_node * self.num_nodes
+
+    @property
+    def peak_flops(self) -> float:
+        return self.device.peak(self.dtype)
