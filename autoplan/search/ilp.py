@@ -1,0 +1,157 @@
+r"""The stage-split and per-layer recompute ILP, solved with scipy.optimize.milp (HiGHS). The only solver user.
+
+Data (stages.StageProblem): runs j = 0..J-1 of N_j identical blocks in model order; recompute options
+r; stages q = 0..S-1 (S = p v) on ranks rho(q) = q mod p; per block time t_jr, static bytes w_j,
+activation bytes a_jr; rank rho holds f_rho microbatches of activations; pinned first / last layers
+add (T_F, W_F, A_F) to stage 0 and (T_L, W_L, A_L) to stage S-1; memory limit M.
+
+Variables: n_qjr in Z>=0 (blocks of run j in stage q with option r); b_qj in {0,1} ("run j+1 has
+started by stage q"); T >= 0 (the slowest rank's time per microbatch).
+
+    minimise    T + eps * sum_qjr t_jr n_qjr                                   (objective, _objective)
+    subject to  sum_qr n_qjr = N_j                                    for all j   (_add_run_totals)
+                sum_jr n_qjr >= 1                                     for all q   (_add_nonempty)
+                C_{j+1}(q) <= N_{j+1} b_qj,  C_j(q) >= N_j b_qj       for q, j<J-1 (_add_order)
+                    where C_j(q) = sum_{q'<=q} sum_r n_q'jr (blocks keep model order)
+                sum_{q: rho(q)=rho} sum_jr t_jr n_qjr + T_F[rho=0] + T_L[rho=rho(S-1)] <= T
+                                                                      for all rho (_add_time)
+                sum_{q: rho(q)=rho} sum_jr (w_j + f_rho a_jr) n_qjr + (pinned) <= M
+                                                                      for all rho (_add_memory)
+Identical blocks are one run, so each kind of layer enters the model once, as counts.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_matrix
+
+from autoplan.search.stages import StageProblem, StageSolution, evaluate, fits
+
+
+class _Builder:
+    """Rows of a sparse constraint matrix with their bounds."""
+
+    def __init__(self, num_vars: int) -> None:
+        self.num_vars = num_vars
+        self.rows: list[int] = []
+        self.cols: list[int] = []
+        self.vals: list[float] = []
+        self.lb: list[float] = []
+        self.ub: list[float] = []
+
+    def add(self, coeffs: dict[int, float], lb: float, ub: float) -> None:
+        row = len(self.lb)
+        for col, val in coeffs.items():
+            self.rows.append(row)
+            self.cols.append(col)
+            self.vals.append(val)
+        self.lb.append(lb)
+        self.ub.append(ub)
+
+    def constraint(self) -> LinearConstraint:
+        a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lb), self.num_vars)).tocsr()
+        return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
+
+
+class _Index:
+    def __init__(self, problem: StageProblem) -> None:
+        self.s, self.j, self.r = problem.num_stages, len(problem.run_sizes), problem.num_options
+        self.num_n = self.s * self.j * self.r
+        self.num_b = self.s * max(self.j - 1, 0)
+        self.t = self.num_n + self.num_b
+
+    def n(self, q: int, j: int, r: int) -> int:
+        return (q * self.j + j) * self.r + r
+
+    def b(self, q: int, j: int) -> int:
+        return self.num_n + q * (self.j - 1) + j
+
+
+def _add_run_totals(m: _Builder, ix: _Index, problem: StageProblem) -> None:
+    for j, size in enumerate(problem.run_sizes):
+        m.add({ix.n(q, j, r): 1.0 for q in range(ix.s) for r in range(ix.r)}, size, size)
+
+
+def _add_nonempty(m: _Builder, ix: _Index) -> None:
+    for q in range(ix.s):
+        m.add({ix.n(q, j, r): 1.0 for j in range(ix.j) for r in range(ix.r)}, 1, np.inf)
+
+
+def _add_order(m: _Builder, ix: _Index, problem: StageProblem) -> None:
+    for q in range(ix.s):
+        for j in range(ix.j - 1):
+            nxt = {ix.n(qq, j + 1, r): 1.0 for qq in range(q + 1) for r in range(ix.r)}
+            m.add({**nxt, ix.b(q, j): -float(problem.run_sizes[j + 1])}, -np.inf, 0.0)
+            cur = {ix.n(qq, j, r): -1.0 for qq in range(q + 1) for r in range(ix.r)}
+            m.add({**cur, ix.b(q, j): float(problem.run_sizes[j])}, -np.inf, 0.0)
+
+
+def _pinned(problem: StageProblem, rank: int) -> tuple[float, float]:
+    """(time, bytes) of the pinned first / last layers on this rank."""
+    t = m = 0.0
+    f = problem.inflight[rank]
+    if rank == 0:
+        t += problem.first_time_s
+        m += problem.first_static_bytes + f * problem.first_act_bytes
+    if rank == (problem.num_stages - 1) % problem.num_ranks:
+        t += problem.last_time_s
+        m += problem.last_static_bytes + f * problem.last_act_bytes
+    return t, m
+
+
+def _add_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> None:
+    for rank in range(problem.num_ranks):
+        coeffs = {ix.n(q, j, r): problem.time_s[j][r] / scale
+                  for q in range(rank, ix.s, problem.num_ranks) for j in range(ix.j) for r in range(ix.r)}
+        coeffs[ix.t] = -1.0
+        m.add(coeffs, -np.inf, -_pinned(problem, rank)[0] / scale)
+
+
+def _add_memory(m: _Builder, ix: _Index, problem: StageProblem) -> None:
+    limit = problem.mem_limit_bytes
+    for rank in range(problem.num_ranks):
+        f = problem.inflight[rank]
+        coeffs = {ix.n(q, j, r): (problem.static_bytes[j] + f * problem.act_bytes[j][r]) / limit
+                  for q in range(rank, ix.s, problem.num_ranks) for j in range(ix.j) for r in range(ix.r)}
+        m.add(coeffs, -np.inf, 1.0 - _pinned(problem, rank)[1] / limit)
+
+
+def _objective(ix: _Index, problem: StageProblem, scale: float) -> np.ndarray:
+    c = np.zeros(ix.t + 1)
+    c[ix.t] = 1.0
+    eps = 1e-4 / max(ix.s, 1)  # tie-break: among equally slow splits, the least total work
+    for q in range(ix.s):
+        for j in range(ix.j):
+            for r in range(ix.r):
+                c[ix.n(q, j, r)] = eps * problem.time_s[j][r] / scale
+    return c
+
+
+def solve_ilp(problem: StageProblem, *, time_limit_s: float = 10.0) -> StageSolution | None:
+    """The optimal split and recompute counts, or None when no split fits (or the solver gives up)."""
+    ix = _Index(problem)
+    scale = max(max(max(row) for row in problem.time_s), 1e-30)
+    builder = _Builder(ix.t + 1)
+    _add_run_totals(builder, ix, problem)
+    _add_nonempty(builder, ix)
+    if np.isfinite(problem.mem_limit_bytes):
+        _add_memory(builder, ix, problem)
+    _add_order(builder, ix, problem)
+    _add_time(builder, ix, problem, scale)
+    integrality = np.ones(ix.t + 1)
+    integrality[ix.t] = 0
+    upper = np.full(ix.t + 1, np.inf)
+    upper[ix.num_n:ix.t] = 1.0
+    res = milp(_objective(ix, problem, scale), constraints=[builder.constraint()], integrality=integrality,
+               bounds=Bounds(np.zeros(ix.t + 1), upper),
+               options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6})
+    if res.x is None:
+        return None
+    n = np.rint(res.x[:ix.num_n]).astype(np.int64).reshape(ix.s, ix.j, ix.r)
+    try:
+        solution = evaluate(problem, tuple(tuple(tuple(int(x) for x in run) for run in st) for st in n.tolist()),
+                            method="ilp")
+    except ValueError:
+        return None
+    return solution if fits(problem, solution) else None

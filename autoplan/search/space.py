@@ -1,0 +1,199 @@
+"""The search space: every ParallelConfig the planner considers, as numpy columns, and the options.
+
+`enumerate_space` lists mesh shapes (pp * dp * ep * cp * tp = devices), microbatch sizes, schedules with
+their virtual stages, recompute modes, ZeRO stages and sequence parallelism. It is honest: every
+legal combination is listed; pruning happens in search.py on predicted costs, by stated rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.graph.types import LayerGraph
+from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+
+SCHEDULES = tuple(Schedule)
+RECOMPUTES = tuple(Recompute)
+COLUMNS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SearchOptions:
+    """What to search. A `None` degree is searched over; an int or a tuple fixes or restricts it."""
+
+    global_batch: int
+    top_k: int = 5
+    tp: tuple[int, ...] | None = None
+    pp: tuple[int, ...] | None = None
+    dp: tuple[int, ...] | None = None
+    cp: tuple[int, ...] | None = None
+    ep: tuple[int, ...] | None = None
+    microbatch: tuple[int, ...] | None = None
+    zero: tuple[int, ...] = (0, 1, 2, 3)
+    sp: tuple[bool, ...] = (False, True)
+    schedules: tuple[Schedule, ...] = SCHEDULES
+    recompute: tuple[Recompute, ...] = RECOMPUTES
+    max_virtual_stages: int = 8
+    use_ilp: bool = True  # refine per-layer recompute and the stage split of the best candidates
+    progress: bool = False  # a rich status line on stderr
+
+    def __post_init__(self) -> None:
+        if isinstance(self.global_batch, bool) or not isinstance(self.global_batch, int) or self.global_batch < 1:
+            raise ValueError(f"global_batch must be a positive integer, got {self.global_batch!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
+            raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
+        for name in ("tp", "pp", "dp", "cp", "ep", "microbatch"):
+            object.__setattr__(self, name, _as_degrees(name, getattr(self, name)))
+        zero = _as_tuple(self.zero)
+        for z in zero:
+            if isinstance(z, bool) or z not in (0, 1, 2, 3):
+                raise ValueError(f"zero must be 0, 1, 2 or 3, got {z!r}")
+        object.__setattr__(self, "zero", zero)
+        sp = _as_tuple(self.sp)
+        if any(not isinstance(s, bool) for s in sp):
+            raise ValueError(f"sp must be true or false, got {self.sp!r}")
+        object.__setattr__(self, "sp", sp)
+        object.__setattr__(self, "schedules", tuple(_parse(Schedule, s, "schedule") for s in _as_tuple(self.schedules)))
+        object.__setattr__(self, "recompute", tuple(_parse(Recompute, r, "recompute mode") for r in _as_tuple(self.recompute)))
+
+
+def _as_tuple(value: object) -> tuple:
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return tuple(sorted(value, key=str)) if isinstance(value, (set, frozenset)) else tuple(value)
+    return (value,)
+
+
+def _as_degrees(name: str, value: object) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    out = _as_tuple(value)
+    for v in out:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    return out
+
+
+def _parse(enum_type: type, value: object, what: str) -> object:
+    try:
+        return enum_type(str(getattr(value, "value", value)).lower())
+    except ValueError:
+        known = ", ".join(repr(m.value) for m in enum_type)
+        raise ValueError(f"unknown {what} {value!r}: choose one of {known}") from None
+
+
+def divisors(n: int) -> tuple[int, ...]:
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelLimits:
+    """What the model allows: tp must divide every block's heads, kv heads and ffn width; ep the experts."""
+
+    num_blocks: int
+    tp_divides: tuple[int, ...]
+    num_experts: int
+
+    @classmethod
+    def of(cls, graph: LayerGraph) -> "ModelLimits":
+        blocks = graph.blocks or graph.layers
+        sizes = {v for b in blocks for v in (b.num_heads, b.num_kv_heads, b.ffn_hidden_size) if v > 0}
+        experts = {b.num_experts for b in blocks if b.num_experts > 0}
+        if len(experts) > 1:
+            raise ValueError(f"layers have different expert counts {sorted(experts)}: ep cannot divide them all")
+        return cls(num_blocks=len(blocks), tp_divides=tuple(sorted(sizes)), num_experts=min(experts, default=0))
+
+
+def mesh_shapes(
+    graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions
+) -> tuple[tuple[int, int, int, int, int], ...]:
+    """(tp, pp, dp, cp, ep) with product = devices; tp inside a node dividing heads / kv heads / ffn,
+    ep dividing the experts (1 for dense models), cp dividing seq_len, pp <= blocks, dp*ep dividing the
+    global batch (else no microbatch works)."""
+    limits = ModelLimits.of(graph)
+    n = cluster.num_devices
+    node = cluster.devices_per_node
+    tps = [t for t in divisors(node) if all(s % t == 0 for s in limits.tp_divides)]
+    eps = divisors(limits.num_experts) if limits.num_experts else (1,)
+    out = []
+    for tp in _allowed(tps, options.tp):
+        for ep in _allowed(eps, options.ep):
+            for cp in _allowed(divisors(graph.seq_len), options.cp):
+                inner = tp * ep * cp
+                if n % inner:
+                    continue
+                for pp in _allowed(divisors(n // inner), options.pp):
+                    dp = n // (inner * pp)
+                    if pp > limits.num_blocks or (options.dp is not None and dp not in options.dp):
+                        continue
+                    if options.global_batch % (dp * ep) == 0:
+                        out.append((tp, pp, dp, cp, ep))
+    return tuple(out)
+
+
+def _allowed(values: Iterable[int], restrict: tuple[int, ...] | None) -> list[int]:
+    return [v for v in values if restrict is None or v in restrict]
+
+
+def schedule_choices(pp: int, num_blocks: int, options: SearchOptions) -> tuple[tuple[Schedule, int], ...]:
+    """(schedule, virtual stages). With pp = 1 every schedule is the same computation: 1F1B stands for
+    all. Interleaved needs v >= 2 dividing blocks // pp (Megatron's rule, Narayanan et al. 2021); the
+    zero-bubble schedule runs as ZB-H1 (v = 1) or ZB-V (v = 2; Qi et al. 2024)."""
+    if pp == 1:
+        return ((Schedule.ONE_F_ONE_B, 1),)
+    out: list[tuple[Schedule, int]] = []
+    for s in options.schedules:
+        if s in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+            out.append((s, 1))
+        elif s is Schedule.INTERLEAVED:
+            per = num_blocks // pp
+            out += [(s, v) for v in divisors(per) if 2 <= v <= options.max_virtual_stages]
+        else:
+            out += [(s, v) for v in (1, 2) if pp * v <= num_blocks]
+    return tuple(out)
+
+
+@dataclass(frozen=True, slots=True)
+class Space:
+    """Candidates as integer columns (schedule and recompute as indices into SCHEDULES / RECOMPUTES)."""
+
+    columns: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.columns["tp"])
+
+    def config(self, i: int) -> ParallelConfig:
+        c = {k: int(v[i]) for k, v in self.columns.items()}
+        return ParallelConfig(
+            tp=c["tp"], pp=c["pp"], dp=c["dp"], cp=c["cp"], ep=c["ep"], sp=bool(c["sp"]), zero=c["zero"],
+            microbatch=c["microbatch"], schedule=SCHEDULES[c["schedule"]],
+            virtual_stages=c["virtual_stages"], recompute=RECOMPUTES[c["recompute"]],
+        )
+
+    def take(self, index: np.ndarray) -> "Space":
+        return Space({k: v[index] for k, v in self.columns.items()})
+
+
+def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions) -> Space:
+    """Every legal candidate: mesh x microbatch x (schedule, v) x recompute x zero x sp."""
+    num_blocks = ModelLimits.of(graph).num_blocks
+    rows: list[tuple[int, ...]] = []
+    recomputes = [RECOMPUTES.index(r) for r in options.recompute]
+    for tp, pp, dp, cp, ep in mesh_shapes(graph, cluster, options):
+        per_replica = options.global_batch // (dp * ep)
+        mbs = _allowed(divisors(per_replica), options.microbatch)
+        zeros = [z for z in options.zero if dp * ep > 1 or z == 0]  # nothing to shard over one replica
+        sps = [s for s in options.sp if tp > 1 or not s]
+        scheds = schedule_choices(pp, num_blocks, options)
+        for mb in mbs:
+            for sched, v in scheds:
+                s_idx = SCHEDULES.index(sched)
+                for r in recomputes:
+                    for z in zeros:
+                        for sp in sps:
+                            rows.append((tp, pp, dp, cp, ep, int(sp), z, mb, s_idx, v, r))
+    table = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+    return Space({name: table[:, i] for i, name in enumerate(COLUMNS)})
