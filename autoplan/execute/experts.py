@@ -1,0 +1,180 @@
+"""Expert parallelism: each MoE layer's routed experts split over the ep mesh axis, tokens exchanged by all-to-all.
+
+`apply_experts` swaps every `mlp.experts` (autoplan.models.Experts) for an `ExpertParallel` that holds the
+experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) as DTensor Shard(0) parameters on the ep mesh, so their FQNs
+(`...mlp.experts.w1`) and global shapes [E, f, h] are those of the reference model and DCP reshards them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from autoplan.models.moe import Experts
+
+_WEIGHT_NAMES = ("w1", "w2", "w3")
+
+
+def dispatch_layout(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the T*k token copies by expert id (stable, as the reference Experts does).
+
+    Returns (order [T*k]: flat copy indices in sorted order, token_of_copy [T*k]: the token of each sorted
+    copy, counts [E]: copies per expert). Sorted by expert means sorted by destination ep rank too, since
+    rank r owns the contiguous experts [r*E/ep, (r+1)*E/ep).
+    """
+    k = topk_idx.shape[1]
+    flat = topk_idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    return order, order // k, counts
+
+
+def rank_splits(counts: torch.Tensor, ep: int) -> list[int]:
+    """Copies per destination rank: per-expert counts [E] summed over each rank's E/ep experts."""
+    return counts.view(ep, -1).sum(dim=1).tolist()
+
+
+def expert_major_index(recv_counts: torch.Tensor) -> torch.Tensor:
+    """Gather index that reorders received rows from source-major to local-expert-major.
+
+    recv_counts [ep, E_local]: rows from source rank s for local expert e (the all-to-all delivers all of
+    rank 0's rows, sorted by expert, then rank 1's, ...). The result `idx` makes `received[idx]` hold all
+    rows of local expert 0 (source 0 first, then source 1, ...), then local expert 1, and so on.
+    """
+    flat = recv_counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view_as(recv_counts)
+    counts_em = recv_counts.t().reshape(-1)  # blocks in expert-major order
+    starts_em = starts.t().reshape(-1)
+    block = torch.repeat_interleave(torch.arange(counts_em.numel()), counts_em)
+    block_begin = torch.cumsum(counts_em, 0) - counts_em
+    within = torch.arange(block.numel()) - block_begin[block]
+    return starts_em[block] + within
+
+
+def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor | None) -> torch.Tensor:
+    """One expert on its rows x [n, h]: gelu(x w1^T) w2^T (gpt), (silu(x w1^T) * x w3^T) w2^T (llama)."""
+    if w3 is None:
+        return F.gelu(x @ w1.t()) @ w2.t()
+    return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; multiplies the gradient by `scale` in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad * ctx.scale, None
+
+
+class ExpertParallel(nn.Module):
+    """The local E/ep experts of one MoE layer; forward(x [T, h], topk_idx [T, k], topk_weight [T, k]) -> [T, h].
+
+    Dispatch: copies sorted by expert are sent to their owner rank with all_to_all_single_autograd (uneven
+    and zero splits; the per-expert counts are exchanged first), regrouped by local expert, run, sent back
+    and combined with the router weights exactly as the reference Experts does.
+
+    Gradients: the backward all-to-all sums, into each expert's weight gradient, the contributions of all ep
+    ranks' tokens. Dense parameters are averaged over the dp*ep*cp replicas while expert weights are only
+    averaged over dp*cp (they are sharded over ep), so the expert gradient is scaled by 1/ep here; then the
+    dp*cp average equals the single-device gradient of the mean loss.
+    """
+
+    def __init__(self, experts: Experts, ep_mesh: DeviceMesh) -> None:
+        super().__init__()
+        ep, num_experts = ep_mesh.size(), experts.num_experts
+        if num_experts % ep:
+            raise ValueError(f"expert parallel degree ep={ep} does not divide the {num_experts} experts of a "
+                             f"MoE layer: choose ep among the divisors of {num_experts}")
+        self.num_experts = num_experts
+        self.family = experts.family
+        self.ep_mesh = ep_mesh
+        self.num_local_experts = num_experts // ep
+        first = ep_mesh.get_local_rank() * self.num_local_experts
+        for name in _WEIGHT_NAMES:
+            full = getattr(experts, name)
+            if full is None:
+                setattr(self, name, None)
+                continue
+            if isinstance(full, DTensor):
+                raise ValueError(f"experts.{name} is already a DTensor on mesh {full.device_mesh}: expert "
+                                 f"parallelism takes unsharded experts (apply no tensor parallelism to them)")
+            local = full.detach()[first:first + self.num_local_experts].clone()
+            shard = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False,
+                                       shape=full.shape, stride=full.stride())
+            setattr(self, name, nn.Parameter(shard, requires_grad=full.requires_grad))
+
+    def _local_weights(self) -> list[torch.Tensor | None]:
+        scale = 1.0 / self.ep_mesh.size()
+        out: list[torch.Tensor | None] = []
+        for name in _WEIGHT_NAMES:
+            weight = getattr(self, name)
+            if weight is not None:
+                weight = weight.to_local() if isinstance(weight, DTensor) else weight
+                weight = _ScaleGrad.apply(weight, scale)
+            out.append(weight)
+        return out
+
+    def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
+        ep, group = self.ep_mesh.size(), self.ep_mesh.get_group()
+        order, token_of_copy, counts = dispatch_layout(topk_idx, self.num_experts)
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)  # equal splits: E/ep counts per rank
+        recv_counts = recv_counts.view(ep, self.num_local_experts)
+        send_splits = rank_splits(counts, ep)
+        recv_splits = recv_counts.sum(dim=1).tolist()
+
+        x_sorted = x[token_of_copy].contiguous()
+        received = funcol.all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
+        index = expert_major_index(recv_counts)
+        rows = torch.split(received[index], recv_counts.sum(dim=0).tolist())
+        w1, w2, w3 = self._local_weights()
+        # every local expert runs, even on zero rows, so each weight always gets a (possibly zero) gradient
+        outs = [expert_ffn(chunk, w1[e], w2[e], None if w3 is None else w3[e]) for e, chunk in enumerate(rows)]
+        y_expert_major = torch.cat(outs)
+        y_source_major = y_expert_major[torch.argsort(index)].contiguous()
+        y_sorted = funcol.all_to_all_single_autograd(y_source_major, send_splits, recv_splits, group)
+
+        y_sorted = y_sorted * topk_weight.reshape(-1)[order].unsqueeze(-1).to(y_sorted.dtype)
+        return torch.zeros_like(x).index_add(0, token_of_copy, y_sorted)
+
+    def extra_repr(self) -> str:
+        first = self.ep_mesh.get_local_rank() * self.num_local_experts
+        return f"experts [{first}, {first + self.num_local_experts}) of {self.num_experts}, ep={self.ep_mesh.size()}"
+
+
+def apply_experts(model: nn.Module, *, ep_mesh: DeviceMesh | None) -> None:
+    """Replace every `Experts` submodule (each MoE block's `mlp.experts`) by an `ExpertParallel` over ep_mesh.
+
+    A no-op when ep_mesh is None or has size 1, and for models or pipeline stages without MoE layers.
+    Needs the full, identically seeded expert weights on every rank (each keeps its own slice).
+    Data parallelism afterwards must treat the ExpertParallel modules apart: their weights are sharded over
+    ep, so they are replicated / FSDP-sharded over the dp (and cp) axes only, not over ep.
+    """
+    if ep_mesh is None or ep_mesh.size() == 1:
+        return
+    if ep_mesh.ndim != 1:
+        raise ValueError(f"ep_mesh must be a 1-D mesh (the 'ep' axis), got {ep_mesh.ndim} dimensions")
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Experts)]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, ExpertParallel(module, ep_mesh))
+
+
+def expert_parallel_modules(model: nn.Module) -> list[ExpertParallel]:
+    """The ExpertParallel modules of `model` (for data parallelism to wrap over the non-ep axes)."""
+    return [module for module in model.modules() if isinstance(module, ExpertParallel)]
+
+
+__all__ = ["ExpertParallel", "apply_experts", "dispatch_layout", "expert_ffn", "expert_major_index",
+           "expert_parallel_modules", "rank_splits"]
