@@ -1,7 +1,7 @@
 """The reference decoder-only transformer (GPT, Llama and MoE families) and its named presets.
 
-    with torch.device("meta"):
-        model = autoplan.models.preset("llama3-405b")   # shapes only, no memory
+with torch.device("meta"):
+    model = autoplan.models.preset("llama3-405b")   # shapes only, no memory
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ from autoplan.models.transformer import (
 )
 
 __all__ = [
+    "MLP",
     "PRESETS",
     "Attention",
     "AttentionCore",
     "Block",
     "Experts",
-    "MLP",
     "MoE",
     "TokenEmbedding",
     "Transformer",

@@ -54,8 +54,16 @@ class TransformerConfig:
             object.__setattr__(self, "ffn_hidden_size", _default_ffn(self.family, self.hidden_size))
         if self.expert_ffn_hidden_size is None:
             object.__setattr__(self, "expert_ffn_hidden_size", self.ffn_hidden_size)
-        for field_name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size",
-                           "vocab_size", "max_seq_len", "expert_ffn_hidden_size"):
+        for field_name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "vocab_size",
+            "max_seq_len",
+            "expert_ffn_hidden_size",
+        ):
             _check_size(field_name, getattr(self, field_name), minimum=1)
         for field_name in ("num_experts", "top_k", "num_shared_experts", "num_dense_layers"):
             _check_size(field_name, getattr(self, field_name), minimum=0)
@@ -69,27 +77,37 @@ class TransformerConfig:
     def _check_attention(self) -> None:
         h, a, kv = self.hidden_size, self.num_heads, self.num_kv_heads
         if h % a:
-            raise ValueError(f"TransformerConfig.num_heads={a} does not divide hidden_size={h}: "
-                             f"choose num_heads among the divisors of {h}")
+            raise ValueError(
+                f"TransformerConfig.num_heads={a} does not divide hidden_size={h}: "
+                f"choose num_heads among the divisors of {h}"
+            )
         if a % kv:
-            raise ValueError(f"TransformerConfig.num_kv_heads={kv} does not divide num_heads={a}: "
-                             f"choose num_kv_heads among the divisors of {a}")
+            raise ValueError(
+                f"TransformerConfig.num_kv_heads={kv} does not divide num_heads={a}: "
+                f"choose num_kv_heads among the divisors of {a}"
+            )
         if self.family == "llama" and (h // a) % 2:
-            raise ValueError(f"TransformerConfig: head_dim={h // a} (hidden_size={h} / num_heads={a}) "
-                             f"must be even for RoPE")
+            raise ValueError(
+                f"TransformerConfig: head_dim={h // a} (hidden_size={h} / num_heads={a}) "
+                f"must be even for RoPE"
+            )
 
     def _check_experts(self) -> None:
         e, k = self.num_experts, self.top_k
         if e == 0:
             if self.num_shared_experts or self.num_dense_layers:
-                raise ValueError(f"TransformerConfig: num_shared_experts={self.num_shared_experts} and "
-                                 f"num_dense_layers={self.num_dense_layers} need num_experts > 0")
+                raise ValueError(
+                    f"TransformerConfig: num_shared_experts={self.num_shared_experts} and "
+                    f"num_dense_layers={self.num_dense_layers} need num_experts > 0"
+                )
             return
         if not 1 <= k <= e:
             raise ValueError(f"TransformerConfig.top_k={k}: must be between 1 and num_experts={e}")
         if self.num_dense_layers > self.num_layers:
-            raise ValueError(f"TransformerConfig.num_dense_layers={self.num_dense_layers} exceeds "
-                             f"num_layers={self.num_layers}")
+            raise ValueError(
+                f"TransformerConfig.num_dense_layers={self.num_dense_layers} exceeds "
+                f"num_layers={self.num_layers}"
+            )
 
     @property
     def head_dim(self) -> int:

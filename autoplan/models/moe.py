@@ -75,7 +75,7 @@ class Experts(nn.Module):
         return (F.silu(x @ self.w1[e].t()) * (x @ self.w3[e].t())) @ self.w2[e].t()
 
     def forward(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weight: torch.Tensor) -> torch.Tensor:
-        num_tokens, k = topk_idx.shape
+        _num_tokens, k = topk_idx.shape
         flat_idx = topk_idx.reshape(-1)
         # token copies sorted by expert id; stable so the order within an expert is the token order
         order = torch.argsort(flat_idx, stable=True)
@@ -103,7 +103,9 @@ class Experts(nn.Module):
             if self.w3 is None:
                 hidden = F.gelu(torch.bmm(xb, self.w1.transpose(1, 2)))
             else:
-                hidden = F.silu(torch.bmm(xb, self.w1.transpose(1, 2))) * torch.bmm(xb, self.w3.transpose(1, 2))
+                hidden = F.silu(torch.bmm(xb, self.w1.transpose(1, 2))) * torch.bmm(
+                    xb, self.w3.transpose(1, 2)
+                )
             return torch.bmm(hidden, self.w2.transpose(1, 2)).reshape(n, h)
         chunks = torch.tensor_split(x_sorted, e)
         return torch.cat([self.expert_ffn(chunk, i) for i, chunk in enumerate(chunks)])

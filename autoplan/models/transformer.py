@@ -35,8 +35,9 @@ class TokenEmbedding(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [S, head_dim] for rotary embeddings (Su et al. 2021), half-split layout (as in HF Llama)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32)
-                                / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    )
     angles = positions.to(torch.float32)[:, None] * inv_freq[None, :]
     angles = torch.cat([angles, angles], dim=-1)
     return angles.cos(), angles.sin()
@@ -111,7 +112,9 @@ class Block(nn.Module):
         self.attn_norm = make_norm(config)
         self.attn = Attention(config)
         self.mlp_norm = make_norm(config)
-        self.mlp: nn.Module = MoE(config) if config.is_moe_layer(index) else MLP(config, config.ffn_hidden_size)
+        self.mlp: nn.Module = (
+            MoE(config) if config.is_moe_layer(index) else MLP(config, config.ffn_hidden_size)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -176,5 +179,16 @@ def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
 
 
-__all__ = ["Attention", "AttentionCore", "Block", "Experts", "MLP", "MoE", "TokenEmbedding", "Transformer",
-           "apply_rope", "loss_fn", "rope_cos_sin"]
+__all__ = [
+    "MLP",
+    "Attention",
+    "AttentionCore",
+    "Block",
+    "Experts",
+    "MoE",
+    "TokenEmbedding",
+    "Transformer",
+    "apply_rope",
+    "loss_fn",
+    "rope_cos_sin",
+]
