@@ -179,16 +179,32 @@ def dense_moe_reference(layer: MoE, x: torch.Tensor) -> torch.Tensor:
     logits = x @ layer.router.weight.t()
     top, idx = logits.topk(layer.top_k, dim=-1)
     weights = torch.zeros_like(logits).scatter(1, idx, torch.softmax(top, dim=-1))  # [T, E]
-    hidden = F.silu(torch.einsum("th,efh->tef", x, e.w1)) * torch.einsum("th,efh->tef", x, e.w3)
+    if e.w3 is None:  # gpt family: GELU experts, biased shared MLP
+        hidden = F.gelu(torch.einsum("th,efh->tef", x, e.w1))
+    else:
+        hidden = F.silu(torch.einsum("th,efh->tef", x, e.w1)) * torch.einsum("th,efh->tef", x, e.w3)
     per_expert = torch.einsum("tef,ehf->teh", hidden, e.w2)
+    routed = torch.einsum("te,teh->th", weights, per_expert)
     shared = layer.shared
-    dense_shared = shared.w2(F.silu(shared.w1(x)) * shared.w3(x))
-    return torch.einsum("te,teh->th", weights, per_expert) + dense_shared
+    if shared is None:
+        return routed
+    if e.w3 is None:
+        return routed + shared.fc2(F.gelu(shared.fc1(x)))
+    return routed + shared.w2(F.silu(shared.w1(x)) * shared.w3(x))
 
 
-def test_moe_equals_dense_reference() -> None:
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("tiny-moe", {}),
+        ("tiny-moe", {"num_shared_experts": 0, "top_k": 3}),
+        ("tiny-gpt", {"num_experts": 4, "top_k": 2, "num_shared_experts": 2, "expert_ffn_hidden_size": 32}),
+    ],
+)
+def test_moe_equals_dense_reference(name: str, overrides: dict) -> None:
     torch.manual_seed(0)
-    layer = preset("tiny-moe").layers["1"].mlp
+    model = preset(name, **overrides)
+    layer = model.layers[str(model.config.num_dense_layers)].mlp
     x = torch.randn(24, 64)
     torch.testing.assert_close(layer(x), dense_moe_reference(layer, x))
 
