@@ -1,0 +1,77 @@
+"""apply_plan: turn one seeded model into this rank's model parts, one per local pipeline stage.
+
+The order is fixed. First the pipeline split (module surgery only, no communication), because each
+stage becomes its own data-parallel root; then on each part: tensor/sequence parallel -> expert
+parallel -> context parallel -> activation recompute -> data parallel (FSDP2 / replicate). The caller
+wraps the parts in PipelineStages and a schedule last (pipeline.build_schedule).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from autoplan.execute.fsdp import apply_data_parallel
+from autoplan.execute.mesh import SubMeshes
+from autoplan.execute.pipeline import check_stages, even_stages, extract_stage, local_stage_indices, num_stages
+from autoplan.execute.recompute import apply_recompute
+from autoplan.execute.tensor_parallel import apply_tensor_parallel
+from autoplan.models import Transformer
+from autoplan.plan.types import ParallelConfig, Plan, Recompute, Stage
+
+
+def config_of(plan: Plan | ParallelConfig) -> ParallelConfig:
+    return plan.config if isinstance(plan, Plan) else plan
+
+
+def plan_stages(model: Transformer, plan: Plan | ParallelConfig) -> tuple[Stage, ...]:
+    """The plan's pipeline cut, or the blocks split evenly when the plan has none."""
+    config = config_of(plan)
+    count = num_stages(config)
+    stages = plan.stages if isinstance(plan, Plan) and plan.stages else even_stages(model, count)
+    check_stages(model, stages, count)
+    return tuple(sorted(stages, key=lambda s: s.index))
+
+
+def recompute_lookup(plan: Plan | ParallelConfig) -> Callable[[str], Recompute]:
+    if isinstance(plan, Plan):
+        return plan.recompute_for
+    return lambda _name: plan.recompute
+
+
+def apply_plan(model: Transformer, plan: Plan | ParallelConfig, meshes: SubMeshes, *,
+               device: torch.device) -> list[nn.Module]:
+    """This rank's parts of `model` (built on CPU from the seed), parallelised in place as the plan says."""
+    config = config_of(plan)
+    if config.pp > 1:
+        stages = plan_stages(model, plan)
+        parts = [extract_stage(model, stages[i]) for i in local_stage_indices(config, meshes.rank_on("pp"))]
+    else:
+        parts = [model]
+    for part in parts:
+        part.to(device)
+        apply_tensor_parallel(part, tp_mesh=meshes.tp, sp=config.sp)
+        _apply_experts(part, meshes=meshes)
+        _apply_context_parallel(part, meshes=meshes)
+        apply_recompute(part, recompute_for=recompute_lookup(plan))
+        apply_data_parallel(part, zero=config.zero, dense_mesh=meshes.dense_dp, expert_mesh=meshes.expert_dp,
+                            ep=meshes.ep.size())
+    return parts
+
+
+def _apply_experts(part: Transformer, *, meshes: SubMeshes) -> None:
+    if meshes.ep.size() == 1:
+        return
+    from autoplan.execute.experts import apply_experts
+
+    apply_experts(part, ep_mesh=meshes.ep)
+
+
+def _apply_context_parallel(part: Transformer, *, meshes: SubMeshes) -> None:
+    if meshes.cp.size() == 1:
+        return
+    from autoplan.execute.context import apply_context_parallel
+
+    apply_context_parallel(part, cp_mesh=meshes.cp)

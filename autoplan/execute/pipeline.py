@@ -1,0 +1,120 @@
+"""Pipeline parallelism with torch.distributed.pipelining: stages cut where the plan cuts them.
+
+A stage is a deep copy of the model with the other blocks deleted (the ModuleDict keeps the names)
+and embed / norm / head set to None where the stage does not hold them. Placement: stage i runs on
+pipeline rank i % pp (looped: GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble), or on rank i
+for i < pp and 2pp-1-i after (V: the zero-bubble V schedule, used for 'zb' with 2 stages per rank).
+Gradients are averaged over microbatches (`scale_grads=True`, recorded in the report).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+from autoplan.models import Transformer
+from autoplan.plan.types import ParallelConfig, Schedule, Stage
+
+SCALE_GRADS = True  # gradients averaged over microbatches, as the single-device mean loss
+
+
+def num_stages(config: ParallelConfig) -> int:
+    return config.pp * config.virtual_stages
+
+
+def uses_v_placement(config: ParallelConfig) -> bool:
+    return config.schedule is Schedule.ZERO_BUBBLE and config.virtual_stages == 2
+
+
+def local_stage_indices(config: ParallelConfig, pp_rank: int) -> tuple[int, ...]:
+    """The stages pipeline rank `pp_rank` holds, in increasing order."""
+    n, pp = num_stages(config), config.pp
+    if uses_v_placement(config):
+        return (pp_rank, 2 * pp - 1 - pp_rank)
+    return tuple(range(pp_rank, n, pp))
+
+
+def even_stages(model: Transformer, count: int) -> tuple[Stage, ...]:
+    """Blocks split as evenly as possible (earlier stages take the remainder); embed on the first
+    stage, norm and head on the last."""
+    names = [f"layers.{n}" for n in model.layers.keys()]
+    if count > len(names):
+        raise ValueError(f"{count} pipeline stages but the model has only {len(names)} blocks: "
+                         f"use pp * virtual_stages <= {len(names)}")
+    base, extra = divmod(len(names), count)
+    stages, start = [], 0
+    for i in range(count):
+        end = start + base + (1 if i < extra else 0)
+        layer_names = (["embed"] if i == 0 else []) + names[start:end] + (["norm", "head"] if i == count - 1 else [])
+        stages.append(Stage(index=i, layer_names=tuple(layer_names)))
+        start = end
+    return tuple(stages)
+
+
+def check_stages(model: Transformer, stages: Sequence[Stage], count: int) -> None:
+    """Raise ValueError unless `stages` are `count` stages covering every module once, in model order."""
+    expected = ["embed"] + [f"layers.{n}" for n in model.layers.keys()] + ["norm", "head"]
+    got = [name for stage in sorted(stages, key=lambda s: s.index) for name in stage.layer_names]
+    if len(stages) != count or got != expected:
+        raise ValueError(f"the plan's {len(stages)} stages hold {got}, but pp * virtual_stages = {count} "
+                         f"stages must hold {expected} in order")
+
+
+def extract_stage(model: Transformer, stage: Stage) -> Transformer:
+    """A deep copy of `model` holding only the modules of `stage` (names unchanged)."""
+    part = copy.deepcopy(model)
+    keep = set(stage.layer_names)
+    for name in list(part.layers.keys()):
+        if f"layers.{name}" not in keep:
+            del part.layers[name]
+    for name in ("embed", "norm", "head"):
+        if name not in keep:
+            setattr(part, name, None)
+    return part
+
+
+def build_schedule(parts: Sequence[nn.Module], indices: Sequence[int], config: ParallelConfig, *,
+                   pp_group: object, device: torch.device, num_microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> object:
+    """Wrap the local stage modules in PipelineStages and the plan's schedule."""
+    n = num_stages(config)
+    stages = [PipelineStage(part, index, n, device, group=pp_group) for part, index in zip(parts, indices)]
+    kwargs = dict(n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=SCALE_GRADS)
+    schedule_cls = _schedule_class(config)
+    if issubclass(schedule_cls, PipelineScheduleSingle):
+        if len(stages) != 1:
+            raise ValueError(f"schedule {config.schedule.value!r} runs one stage per rank, got {len(stages)}: "
+                             f"use virtual_stages=1")
+        return schedule_cls(stages[0], **kwargs)
+    return schedule_cls(stages, **kwargs)
+
+
+def _schedule_class(config: ParallelConfig) -> type:
+    if config.schedule is Schedule.GPIPE:
+        return ScheduleGPipe
+    if config.schedule is Schedule.ONE_F_ONE_B:
+        return Schedule1F1B
+    if config.schedule is Schedule.INTERLEAVED:
+        return ScheduleInterleaved1F1B
+    return ScheduleZBVZeroBubble if uses_v_placement(config) else ScheduleInterleavedZeroBubble
+
+
+def holds_first_stage(indices: Sequence[int]) -> bool:
+    return 0 in indices
+
+
+def holds_last_stage(indices: Sequence[int], config: ParallelConfig) -> bool:
+    return num_stages(config) - 1 in indices
+

@@ -1,0 +1,262 @@
+"""The training loop every plan runs: seeded model and data, AdamW, N steps, and the run report.
+
+The same seed gives the same initial weights (the full model is built on CPU after
+torch.manual_seed(seed), before any sharding) and the same data (the global batch of step k is drawn
+from a torch.Generator seeded with (seed << 32) + k), so one process with tp = pp = dp = 1 is the
+reference for every plan. Loss: mean next-token cross entropy over all tokens of the global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
+
+from autoplan.execute.apply import apply_plan, config_of
+from autoplan.execute.fsdp import ZERO1_RUNS_AS_ZERO2
+from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
+from autoplan.execute.pipeline import (
+    SCALE_GRADS,
+    build_schedule,
+    holds_first_stage,
+    holds_last_stage,
+    local_stage_indices,
+)
+from autoplan.execute.recompute import original_fqn
+from autoplan.models import Transformer, preset
+from autoplan.plan.types import ParallelConfig, Plan
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TrainOptions:
+    """What to run besides the plan. lr / weight_decay are AdamW's (recorded in the report)."""
+
+    steps: int
+    global_batch: int
+    seq_len: int
+    seed: int = 0
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    save_every: int = 0  # 0: never
+    checkpoint_dir: str | None = None
+    resume: str | None = None  # a checkpoint directory to start from
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "global_batch", "seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.save_every and not self.checkpoint_dir:
+            raise ValueError(f"save_every={self.save_every} needs a checkpoint directory (--checkpoint-dir)")
+
+
+@dataclass
+class TrainResult:
+    """Per-step global mean losses (identical on every rank), step times and this rank's peak memory."""
+
+    losses: list[float]
+    step_times_s: list[float]
+    peak_mem_bytes: int
+    start_step: int = 0
+    parts: list[nn.Module] = field(default_factory=list, repr=False)
+
+
+def build_model(model_name: str, seed: int) -> Transformer:
+    """The full model on CPU, the same weights for the same seed under every plan."""
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        return preset(model_name)
+
+
+def make_batch(seed: int, step: int, *, global_batch: int, seq_len: int, vocab_size: int) -> torch.Tensor:
+    """Token ids [global_batch, seq_len + 1] of one step; inputs and targets are its shift by one."""
+    generator = torch.Generator().manual_seed((seed << 32) + step)
+    return torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=generator)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean over tokens; logits may be a vocab-sharded DTensor (then call it under loss_parallel())."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
+def local_batch(batch: torch.Tensor, config: ParallelConfig, meshes: SubMeshes) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets): rows of replica dp_rank * ep + ep_rank, columns of its cp chunk."""
+    replica = meshes.rank_on("dp") * config.ep + meshes.rank_on("ep")
+    rows = batch.shape[0] // config.num_replicas
+    seq_len = batch.shape[1] - 1
+    if seq_len % config.cp:
+        raise ValueError(f"seq_len {seq_len} does not divide into cp={config.cp} chunks: use a multiple of {config.cp}")
+    chunk = seq_len // config.cp
+    start = meshes.rank_on("cp") * chunk
+    mine = batch[replica * rows:(replica + 1) * rows]
+    return mine[:, start:start + chunk].contiguous(), mine[:, start + 1:start + 1 + chunk].contiguous()
+
+
+def _scalar(t: torch.Tensor) -> float:
+    return float((t.full_tensor() if isinstance(t, DTensor) else t).detach())
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """torch.cuda.max_memory_allocated on GPU; the process's peak resident set size on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+@dataclass
+class _Job:
+    config: ParallelConfig
+    meshes: SubMeshes
+    parts: list[nn.Module]
+    indices: tuple[int, ...]
+    optimizers: list[torch.optim.Optimizer]
+    schedule: Any
+    device: torch.device
+
+
+def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
+    config = config_of(plan)
+    mesh = build_mesh(config, device_type=device.type)
+    meshes = sub_meshes(mesh)
+    config.num_microbatches(options.global_batch)  # raises when the batch does not divide
+    model = build_model(model_name, options.seed)
+    parts = apply_plan(model, plan, meshes, device=device)
+    indices = local_stage_indices(config, meshes.rank_on("pp")) if config.pp > 1 else (0,)
+    optimizers = [torch.optim.AdamW(p.parameters(), lr=options.lr, weight_decay=options.weight_decay,
+                                    foreach=False) for p in parts]
+    schedule = None
+    if config.pp > 1:
+        schedule = build_schedule(parts, indices, config, pp_group=meshes.pp.get_group(), device=device,
+                                  num_microbatches=config.num_microbatches(options.global_batch),
+                                  loss_fn=cross_entropy)
+    return _Job(config, meshes, parts, indices, optimizers, schedule, device)
+
+
+def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int) -> float | None:
+    """One step's forward and backward; returns this rank's mean loss, None off the last stage."""
+    with loss_parallel() if job.config.tp > 1 else contextlib.nullcontext():
+        if job.schedule is not None:
+            last = holds_last_stage(job.indices, job.config)
+            losses: list[torch.Tensor] = []
+            args = (inputs,) if holds_first_stage(job.indices) else ()
+            kwargs = {"target": targets, "losses": losses} if last else {}
+            job.schedule.step(*args, **kwargs)
+            return sum(_scalar(x) for x in losses) / len(losses) if last else None
+        part, total = job.parts[0], 0.0
+        for mb_inputs, mb_targets in zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches)):
+            loss = cross_entropy(part(mb_inputs), mb_targets) / num_microbatches
+            loss.backward()
+            total += _scalar(loss)
+        return total
+
+
+def _global_loss(job: _Job, local: float | None) -> float:
+    """Mean over the data-parallel ranks of the last stage (all tp ranks carry the same value)."""
+    value = torch.tensor([0.0 if local is None else local], dtype=torch.float64, device=job.device)
+    dist.all_reduce(value)
+    c = job.config
+    return float(value.item()) / (c.dp * c.ep * c.cp * c.tp)
+
+
+def train(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, *, device: torch.device,
+          on_step: Callable[[int], None] | None = None) -> TrainResult:
+    """Run options.steps optimizer steps of the plan on this rank (the process group is initialised)."""
+    job = _setup(model_name, plan, options, device)
+    start = _maybe_resume(job, options)
+    vocab = job.parts[0].config.vocab_size
+    n_mb = job.config.num_microbatches(options.global_batch)
+    losses, times = [], []
+    for step in range(start, options.steps):
+        if on_step is not None:
+            on_step(step)
+        batch = make_batch(options.seed, step, global_batch=options.global_batch, seq_len=options.seq_len,
+                           vocab_size=vocab)
+        inputs, targets = (t.to(device) for t in local_batch(batch, job.config, job.meshes))
+        t0 = time.perf_counter()
+        local = _forward_backward(job, inputs, targets, n_mb)
+        for optimizer in job.optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        losses.append(_global_loss(job, local))
+        if options.save_every and (step + 1) % options.save_every == 0:
+            _save(job, options, step + 1)
+    return TrainResult(losses=losses, step_times_s=times, peak_mem_bytes=peak_memory_bytes(device),
+                       start_step=start, parts=job.parts)
+
+
+def _save(job: _Job, options: TrainOptions, step: int) -> None:
+    from autoplan.execute.checkpoint import save_checkpoint
+
+    save_checkpoint(f"{options.checkpoint_dir}/step-{step:07d}", step=step, model_parts=job.parts,
+                    optimizers=job.optimizers)
+
+
+def _maybe_resume(job: _Job, options: TrainOptions) -> int:
+    if not options.resume:
+        return 0
+    from autoplan.execute.checkpoint import load_checkpoint
+
+    return load_checkpoint(latest_checkpoint(options.resume), model_parts=job.parts, optimizers=job.optimizers)
+
+
+def latest_checkpoint(path: str) -> str:
+    """`path` itself, or its newest step-NNNNNNN subdirectory when it holds saves of several steps."""
+    import os
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"no checkpoint directory {path!r}")
+    steps = sorted(d for d in os.listdir(path) if d.startswith("step-"))
+    return os.path.join(path, steps[-1]) if steps else path
+
+
+def full_parameters(parts: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """This rank's parameters as full CPU tensors by their original names (a collective over each
+    parameter's mesh: every rank of the stage calls it in the same order)."""
+    out = {}
+    for part in parts:
+        for name, param in part.named_parameters():
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            out[original_fqn(name)] = full.detach().cpu().clone()
+    return out
+
+
+def report(result: TrainResult, *, plan: Plan | ParallelConfig, model_name: str, options: TrainOptions,
+           peak_mem_per_rank: list[int], world_size: int) -> dict[str, Any]:
+    """The run report (JSON-ready): losses, median step time after the first, prediction, memory."""
+    config = config_of(plan)
+    steady = result.step_times_s[1:] or result.step_times_s
+    out: dict[str, Any] = {
+        "model": model_name,
+        "plan": config.to_dict(),
+        "world_size": world_size,
+        "seed": options.seed,
+        "global_batch": options.global_batch,
+        "seq_len": options.seq_len,
+        "start_step": result.start_step,
+        "steps": options.steps,
+        "losses": result.losses,
+        "step_times_s": result.step_times_s,
+        "step_time_s": statistics.median(steady) if steady else None,
+        "peak_mem_bytes_per_rank": peak_mem_per_rank,
+        "optimizer": {"name": "AdamW", "lr": options.lr, "weight_decay": options.weight_decay,
+                      "betas": [0.9, 0.999], "eps": 1e-8},
+        "numerics": {"dtype": "float32", "pipeline_scale_grads": SCALE_GRADS,
+                     "zero1_runs_as_zero2": ZERO1_RUNS_AS_ZERO2 and config.zero == 1, "grad_clip": None},
+    }
+    if isinstance(plan, Plan):
+        out["predicted_step_time_s"] = plan.estimate.step_time_s
+        out["predicted_peak_mem_bytes"] = plan.estimate.peak_mem_bytes
+    return out
