@@ -1,0 +1,183 @@
+"""Compute time of one layer on one device: matmuls at a size-dependent efficiency, the attention
+core at the fused-kernel efficiency, elementwise ops as memory-bound traffic.
+
+Also the transformer-block shape the cost model reads off a Layer (BlockShape), shared with memory.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoplan.cluster.types import DeviceSpec
+from autoplan.graph.types import Layer, LayerRole
+from autoplan.plan.types import ParallelConfig, Recompute
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BlockShape:
+    """A recognised transformer block: h hidden, a heads, g kv heads, f dense FFN width, n_mlp weight
+    matmuls in each MLP (2: GELU, 3: SwiGLU), and for MoE f_e the routed experts' width."""
+
+    h: int
+    a: int
+    g: int
+    f: int
+    n_mlp: int
+    num_experts: int = 0
+    top_k: int = 0
+    f_e: float = 0.0
+
+    @property
+    def qkv_out_width(self) -> int:
+        """Output width of the fused QKV projection: h + 2 h g / a (grouped-query attention)."""
+        return self.h + 2 * self.h * self.g // self.a
+
+    def attn_proj_flops_per_token(self) -> float:
+        """Forward matmul FLOPs per token of QKV + output projection: 2 h (h + 2hg/a) + 2 h^2."""
+        return 2.0 * self.h * self.qkv_out_width + 2.0 * self.h * self.h
+
+
+def block_shape(layer: Layer, graph_tokens: float) -> BlockShape | None:
+    """The block's shape if `layer` is a recognised transformer block (hidden_size, num_heads and
+    ffn_hidden_size set), else None. n_mlp is read off the captured FLOPs: the dense matmul FLOPs per
+    token left after the attention projections, divided by 2 h f (Narayanan et al. 2021 appendix: 2 per
+    multiply-add), rounded to 2 (GELU, 4h) or 3 (SwiGLU, Touvron et al. 2023); MoE experts' width from
+    fwd_expert_flops = tokens * top_k * 2 n_mlp h f_e. A MoE block without a dense MLP to read n_mlp
+    from is taken as SwiGLU when it uses grouped-query attention (Llama / Mixtral), else GELU."""
+    h, a = layer.hidden_size, layer.num_heads
+    if layer.role is not LayerRole.BLOCK or h <= 0 or a <= 0 or layer.ffn_hidden_size <= 0:
+        return None
+    g = layer.num_kv_heads or a
+    f = layer.ffn_hidden_size
+    base = BlockShape(h=h, a=a, g=g, f=f, n_mlp=2)
+    dense_per_token = (layer.fwd_matmul_flops - layer.fwd_expert_flops) / max(graph_tokens, 1.0)
+    mlp_per_token = dense_per_token - base.attn_proj_flops_per_token()
+    if mlp_per_token >= 2.5 * 2 * h * f:
+        n_mlp = 3
+    elif mlp_per_token >= 1.5 * 2 * h * f:
+        n_mlp = 2
+    else:  # MoE without a dense MLP to read it from: SwiGLU with GQA (Llama / Mixtral), else GELU
+        n_mlp = 3 if g != a else 2
+    f_e = 0.0
+    if layer.num_experts > 0 and layer.top_k > 0 and layer.fwd_expert_flops > 0:
+        f_e = layer.fwd_expert_flops / (graph_tokens * layer.top_k * 2 * n_mlp * h)
+    return BlockShape(h=h, a=a, g=g, f=f, n_mlp=n_mlp, num_experts=layer.num_experts,
+                      top_k=layer.top_k, f_e=f_e)
+
+
+def matmul_efficiency(device: DeviceSpec, flops: float) -> float:
+    """Fraction of peak one matmul of `flops` FLOPs reaches: matmul_efficiency * f / (f + f_half), a
+    saturating curve through half the large-GEMM efficiency at f_half (profile field
+    matmul_half_size_flops): narrow matmuls of a TP split or a small microbatch do not fill the GPU."""
+    if flops <= 0:
+        return device.matmul_efficiency
+    return device.matmul_efficiency * flops / (flops + device.matmul_half_size_flops)
+
+
+def matmul_time_s(device: DeviceSpec, peak_flops: float, total_flops: float, per_matmul_flops: float) -> float:
+    """Time of `total_flops` spent in matmuls of `per_matmul_flops` each."""
+    if total_flops <= 0:
+        return 0.0
+    return total_flops / (peak_flops * matmul_efficiency(device, per_matmul_flops))
+
+
+def memory_time_s(device: DeviceSpec, nbytes: float) -> float:
+    """Memory-bound kernel: bytes / (HBM bandwidth * mem_bw_efficiency)."""
+    return max(nbytes, 0.0) / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComputeTimes:
+    fwd_s: float
+    bwd_s: float
+    bwd_weight_s: float
+    recompute_s: float
+    attention_fwd_s: float  # attention core (+ its score traffic) forward: what CP overlaps with
+
+
+def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, config: ParallelConfig,
+                            dtype_bytes: int, scores_materialised: bool) -> tuple[float, float]:
+    """Forward memory traffic of a block's elementwise kernels, (total, attention-score part), bytes,
+    counting each fused kernel's reads + writes (the kernels of Megatron-LM; Korthikanti et al. 2022
+    section 4.1 lists the same tensors):
+    - 2 norms: read h, write h each; 2 bias-dropout-residual adds: read 2h, write h, 1-byte mask h;
+      replicated over tp ranks without SP, split with SP;
+    - MLP activation: n_mlp * f elements (GELU: read f, write f; SwiGLU: read 2f, write f), split
+      over tp;
+    - MoE: permute + unpermute copies of top_k * h per token (read and write);
+    - unfused attention scores (when materialised): softmax read+write a s, dropout read+write a s
+      plus a 1-byte mask, per token, split over tp."""
+    t = config.tp
+    h_split = t if config.sp else 1
+    elements = (10.0 * shape.h / h_split + shape.n_mlp * shape.f / t)
+    if shape.num_experts:
+        elements += 4.0 * shape.top_k * shape.h / h_split
+    mask_bytes = 2.0 * shape.h / h_split
+    total = tokens * (elements * dtype_bytes + mask_bytes)
+    scores = 0.0
+    if scores_materialised:
+        scores = tokens * shape.a * seq_len / t * (4.0 * dtype_bytes + 1.0)
+    return total + scores, scores
+
+
+def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: ParallelConfig,
+                  recompute: Recompute, *, scale: float, seq_len: int, graph_tokens: float,
+                  dtype_bytes: int, scores_materialised: bool) -> ComputeTimes:
+    """Forward, backward, weight-gradient and recompute time of one microbatch on one device.
+
+    `scale` = (config microbatch / captured microbatch) / cp: the layer's captured quantities times
+    `scale` are this device's share before the tp split. Matmul FLOPs are split over tp (Megatron
+    column/row parallel, Shoeybi et al. 2019); each group of matmuls runs at the efficiency of its own
+    size: QKV 2 T h (h + 2hg/a) / t, output projection 2 T h^2 / t, MLP 2 T h f / t each, routed
+    experts 2 (T k ep / E) h f_e / t (tokens per expert on a device; ep shards experts, not tokens).
+    Non-block layers run their matmul total as one matmul (the head's vocab-parallel projection).
+    Backward = 2 x forward for matmuls and attention (Narayanan et al. 2021: input + weight gradient),
+    the weight-gradient part equal to the forward matmul time; elementwise backward = 1.5 x the forward
+    traffic (it reads the output gradient and the saved input and writes one gradient: 3 accesses for
+    the forward's 2). Recompute: full re-runs the block's forward; selective re-runs the attention core
+    and its score kernels (Korthikanti et al. 2022, section 5)."""
+    t = config.tp
+    tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
+    total_mm = layer.fwd_matmul_flops * scale / t
+    expert_mm = layer.fwd_expert_flops * scale / t
+    shape = block_shape(layer, graph_tokens)
+    if shape is None:
+        mm_s = matmul_time_s(device, peak_flops, total_mm, total_mm)
+        elementwise_bytes = _fallback_bytes(layer, dtype_bytes) * scale / (t if layer.role is LayerRole.HEAD else 1)
+        score_bytes = 0.0
+    else:
+        qkv = 2.0 * tokens * shape.h * shape.qkv_out_width / t
+        proj = 2.0 * tokens * shape.h * shape.h / t
+        dense_mm = max(total_mm - expert_mm, 0.0)
+        attn_proj = min(qkv + proj, dense_mm)
+        mlp = max(dense_mm - attn_proj, 0.0)
+        mm_s = (matmul_time_s(device, peak_flops, attn_proj * qkv / (qkv + proj), qkv)
+                + matmul_time_s(device, peak_flops, attn_proj * proj / (qkv + proj), proj)
+                + matmul_time_s(device, peak_flops, mlp, 2.0 * tokens * shape.h * shape.f / t))
+        if expert_mm > 0:
+            per_expert_tokens = tokens * shape.top_k * config.ep / max(shape.num_experts, 1)
+            mm_s += matmul_time_s(device, peak_flops, expert_mm,
+                                  2.0 * per_expert_tokens * shape.h * shape.f_e / t)
+        elementwise_bytes, score_bytes = block_elementwise_bytes(
+            shape, tokens, seq_len, config, dtype_bytes, scores_materialised)
+    attn_s = layer.fwd_attention_flops * scale / t / (peak_flops * device.attention_efficiency)
+    elem_s = memory_time_s(device, elementwise_bytes)
+    fwd = mm_s + attn_s + elem_s
+    bwd = 2.0 * (mm_s + attn_s) + 1.5 * elem_s
+    attention_fwd = attn_s + memory_time_s(device, score_bytes)
+    if layer.role is not LayerRole.BLOCK or recompute is Recompute.NONE:
+        rec = 0.0
+    elif recompute is Recompute.FULL:
+        rec = fwd
+    else:
+        rec = attention_fwd
+    return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=mm_s, recompute_s=rec, attention_fwd_s=attention_fwd)
+
+
+def _fallback_bytes(layer: Layer, dtype_bytes: int) -> float:
+    """Elementwise traffic of a layer the model does not recognise: its captured bytes_moved (every
+    op's reads + writes: an upper bound, it includes the matmul operands), else one access of
+    dtype_bytes per elementwise FLOP."""
+    if layer.bytes_moved > 0:
+        return float(layer.bytes_moved)
+    return layer.fwd_elementwise_flops * dtype_bytes

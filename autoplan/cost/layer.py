@@ -1,0 +1,134 @@
+"""estimate_layer: the cost of one layer, one microbatch, on one device (compute, tp / cp / ep
+communication, activation memory, parameters held), under a ParallelConfig and a recompute mode.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.cost import comm
+from autoplan.cost.compute import BlockShape, block_shape, layer_compute
+from autoplan.cost.memory import block_activation_bytes, layer_param_counts, other_activation_bytes
+from autoplan.cost.types import LayerCost
+from autoplan.graph.types import Layer, LayerRole
+from autoplan.plan.types import ParallelConfig, Recompute
+
+DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of the training dtype (cluster.dtype)."""
+    if dtype not in DTYPE_BYTES:
+        raise ValueError(f"unknown training dtype {dtype!r}: choose one of {sorted(DTYPE_BYTES)}")
+    return DTYPE_BYTES[dtype]
+
+
+def estimate_layer(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute | str,
+                   *, seq_len: int, graph_microbatch: int = 1) -> LayerCost:
+    """Cost of `layer` for one microbatch of config.microbatch sequences of seq_len tokens on one device.
+
+    `graph_microbatch` (an additive extension of the contract, default 1) is the microbatch the layer
+    was captured at (LayerGraph.microbatch): its FLOPs and bytes scale by
+    config.microbatch / graph_microbatch, and by 1 / cp (each CP rank holds s / cp of the tokens and
+    attends them to all s keys, so attention FLOPs split over cp too)."""
+    if isinstance(recompute, str) and not isinstance(recompute, Recompute):
+        recompute = Recompute(recompute)
+    return _layer_cost(layer, cluster, config, Recompute(recompute), seq_len, graph_microbatch)
+
+
+@lru_cache(maxsize=65536)
+def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute,
+                seq_len: int, graph_microbatch: int) -> LayerCost:
+    device = cluster.device
+    dbytes = dtype_bytes(cluster.dtype)
+    graph_dbytes = layer.param_bytes // layer.num_params if layer.num_params and layer.param_bytes else dbytes
+    ratio = dbytes / max(graph_dbytes, 1)
+    graph_tokens = float(graph_microbatch * seq_len)
+    scale = config.microbatch / graph_microbatch / config.cp
+    shape = block_shape(layer, graph_tokens)
+    materialised = shape is not None and _scores_materialised(layer, shape, graph_microbatch, seq_len)
+    times = layer_compute(layer, device, cluster.peak_flops, config, recompute, scale=scale, seq_len=seq_len,
+                          graph_tokens=graph_tokens, dtype_bytes=dbytes, scores_materialised=materialised)
+    tokens = graph_tokens * scale
+    if shape is not None:
+        held, work = block_activation_bytes(shape, config.microbatch, seq_len, config, recompute, dbytes,
+                                            materialised)
+        hidden_bytes = tokens * shape.h * dbytes
+    else:
+        held, work = other_activation_bytes(layer, scale, config, recompute, ratio)
+        hidden_bytes = layer.output_bytes * scale * ratio
+    param_count, dense, expert = layer_param_counts(layer, shape, config)
+    tp_fwd, tp_total = _tp_comm_s(layer, shape, cluster, config, recompute, hidden_bytes, scale * ratio)
+    cp_fwd, cp_total = _cp_comm_s(shape, cluster, config, recompute, tokens * config.cp, dbytes,
+                                  times.attention_fwd_s)
+    ep_fwd, ep_total = _ep_comm_s(shape, cluster, config, recompute, tokens, dbytes)
+    return LayerCost(
+        fwd_s=times.fwd_s, bwd_s=times.bwd_s, bwd_weight_s=times.bwd_weight_s, recompute_s=times.recompute_s,
+        tp_comm_s=tp_total, cp_comm_s=cp_total, ep_comm_s=ep_total,
+        act_mem_bytes=int(held), param_count=param_count, grad_param_count=dense, expert_param_count=expert,
+        output_bytes=int(hidden_bytes / config.tp), work_mem_bytes=int(work),
+        fwd_comm_s=tp_fwd + cp_fwd + ep_fwd,
+    )
+
+
+def _scores_materialised(layer: Layer, shape: BlockShape, graph_microbatch: int, seq_len: int) -> bool:
+    """Whether the block stores its a x s x s attention scores (unfused softmax + dropout, as Megatron-LM
+    without FlashAttention): its captured attention activations hold at least one byte per score."""
+    return layer.attention_activation_bytes >= graph_microbatch * shape.a * seq_len * seq_len
+
+
+def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, config: ParallelConfig,
+               recompute: Recompute, hidden_bytes: float, scale: float) -> tuple[float, float]:
+    """Megatron tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022 for SP): a block does
+    2 all-reduces of b s h in forward (after attention and after the MLP) and 2 in backward (before
+    them); with SP each becomes an all-gather plus a reduce-scatter of the same bytes, costing the
+    same on a ring. Full recompute re-runs the forward's 2. The vocab-parallel embedding all-reduces
+    its output in forward; the head's column-parallel projection all-reduces its input gradient in
+    backward. Exposed in full: Megatron issues them on the compute stream, synchronously.
+    Returns (forward part, total)."""
+    if config.tp == 1:
+        return 0.0, 0.0
+    group = comm.group_placement(config, ("tp",), cluster.devices_per_node)
+    if shape is not None:
+        count = 4 + (2 if recompute is Recompute.FULL else 0)
+        one = (comm.all_gather_s(hidden_bytes, group, cluster) + comm.reduce_scatter_s(hidden_bytes, group, cluster)
+               if config.sp else comm.all_reduce_s(hidden_bytes, group, cluster))
+        return 2 * one, count * one
+    if layer.role is LayerRole.EMBEDDING:
+        one = comm.all_reduce_s(hidden_bytes, group, cluster)
+        return one, one
+    if layer.role is LayerRole.HEAD:
+        return 0.0, comm.all_reduce_s((layer.input_bytes or layer.output_bytes) * scale, group, cluster)
+    return 0.0, 0.0
+
+
+def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute,
+               seq_tokens: float, dbytes: int, attention_fwd_s: float) -> tuple[float, float]:
+    """Context parallelism (Megatron-core CP / ring attention, Liu et al. 2023): forward all-gathers
+    K and V of the whole sequence for this tp rank's kv heads, S = 2 b s h g / (a t) elements,
+    overlapped with the attention core; backward gathers them again and reduce-scatters dK, dV (2 S),
+    overlapped with the attention backward (2 x forward). Exposed: what the attention does not hide.
+    Full recompute repeats the forward exchange. Returns (forward part, total)."""
+    if config.cp == 1 or shape is None:
+        return 0.0, 0.0
+    group = comm.group_placement(config, ("cp",), cluster.devices_per_node)
+    kv_bytes = 2.0 * seq_tokens * shape.h * shape.g / shape.a / config.tp * dbytes
+    gather = comm.all_gather_s(kv_bytes, group, cluster)
+    fwd = max(gather - attention_fwd_s, 0.0)
+    bwd = max(2.0 * gather - 2.0 * attention_fwd_s, 0.0)
+    return fwd, fwd + bwd + (fwd if recompute is Recompute.FULL else 0.0)
+
+
+def _ep_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute,
+               tokens: float, dbytes: int) -> tuple[float, float]:
+    """Expert parallelism (GShard, Lepikhin et al. 2021; DeepSpeed-MoE): all-to-all dispatch and combine
+    of tokens * top_k * h elements each, in forward and again in backward (4 all-to-alls; 6 with full
+    recompute), over the ep group; tokens are split over tp ranks with SP. Exposed in full.
+    Returns (forward part, total)."""
+    if config.ep == 1 or shape is None or not shape.num_experts:
+        return 0.0, 0.0
+    group = comm.group_placement(config, ("ep",), cluster.devices_per_node)
+    local_tokens = tokens / (config.tp if config.sp else 1)
+    one = comm.all_to_all_s(local_tokens * shape.top_k * shape.h * dbytes, group, cluster)
+    return 2 * one, (4 + (2 if recompute is Recompute.FULL else 0)) * one

@@ -1,0 +1,34 @@
+"""Two-stream overlap: a compute stream running layers in order and a communication stream running the
+collectives they depend on (prefetched weight gathers) or produce (gradient buckets).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def overlapped_s(compute_s: Sequence[float], pre_s: Sequence[float], post_s: Sequence[float]) -> float:
+    """Makespan of n layers on two streams (PyTorch FSDP2 / DDP; Li et al., VLDB 2020, section 3.2).
+
+    Layer i computes for compute_s[i] once its prerequisite collective pre_s[i] (a ZeRO-3 weight
+    all-gather) is done; pre_s[i + 1] is issued when layer i starts (one layer of prefetch), and
+    post_s[i] (its gradient bucket's reduction) is queued when layer i ends. The communication stream
+    runs one collective at a time, in issue order. The exposed communication is the makespan minus
+    sum(compute_s): the first gather, any gather the previous layer did not hide, and the reductions
+    still running after the last layer (at least the last bucket)."""
+    n = len(compute_s)
+    if not (len(pre_s) == len(post_s) == n):
+        raise ValueError(f"overlapped_s needs equal lengths, got {n}, {len(pre_s)}, {len(post_s)}")
+    if n == 0:
+        return 0.0
+    comm_free = float(pre_s[0])
+    pre_done = comm_free
+    compute_end = 0.0
+    for i in range(n):
+        start = max(compute_end, pre_done)
+        compute_end = start + compute_s[i]
+        if i + 1 < n:
+            pre_done = max(comm_free, start) + pre_s[i + 1]
+            comm_free = pre_done
+        comm_free = max(comm_free, compute_end) + post_s[i] if post_s[i] > 0 else comm_free
+    return max(compute_end, comm_free)

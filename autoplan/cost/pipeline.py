@@ -1,0 +1,96 @@
+"""Pipeline schedules: step time of p ranks running m microbatches (GPipe, 1F1B, interleaved 1F1B,
+zero bubble), their bubble, and how many microbatches of activations each rank holds.
+
+Times are per microbatch per pipeline rank (a rank's chunks summed); the slowest rank sets the pace.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from autoplan.plan.types import Schedule
+
+
+def _check(p: int, v: int, m: int) -> None:
+    for name, value in (("p", p), ("v", v), ("m", m)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"pipeline {name} must be a positive integer, got {value!r}")
+
+
+def bubble_fraction(schedule: Schedule, p: int, v: int, m: int, *, weight_fraction: float = 1 / 3) -> float:
+    """Bubble time over the ideal time m (F + B) for uniform stages.
+
+    GPipe (Huang et al. 2019) and 1F1B (Narayanan et al. 2021): (p - 1) / m; interleaved 1F1B with v
+    chunks per rank: (p - 1) / (v m). Zero bubble (Qi et al., ICLR 2024), with B the full backward
+    and W its weight-gradient part (W = weight_fraction (F + B)): ZB-H1 (v = 1) leaves
+    (p - 1)(F + B - 2W), one third of 1F1B's at F = B_input = W; ZB-V (v = 2) leaves
+    (p - 1)(F + B - 3W) / 2, zero at F = B_input = W."""
+    _check(p, v, m)
+    schedule = Schedule(schedule)
+    return max(_bubble_term(schedule, v, 1.0, weight_fraction)
+               * (p - 1) / m / _chunks(schedule, v), 0.0) if p > 1 else 0.0
+
+
+def _chunks(schedule: Schedule, v: int) -> int:
+    return v if schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE) else 1
+
+
+def _bubble_term(schedule: Schedule, v: int, fwd_bwd: float, weight: float) -> float:
+    if schedule is Schedule.ZERO_BUBBLE:
+        return max(fwd_bwd - (2.0 if v == 1 else 3.0) * weight, 0.0)
+    return fwd_bwd
+
+
+def pipeline_time_s(schedule: Schedule | str, p: int, v: int, m: int, fwd_s: Sequence[float],
+                    bwd_s: Sequence[float], bwd_weight_s: Sequence[float] | None = None) -> float:
+    """Time for p ranks to run m microbatches forward and backward.
+
+    fwd_s, bwd_s, bwd_weight_s: per microbatch, per pipeline rank (length p, a rank's v chunks summed)
+    or per stage (length p * v in model order; stage i runs on rank i % p, Megatron's looped
+    placement). With X_r = F_r + B_r and Y_r the schedule's bubble term (X_r, or X_r - 2 W_r for
+    ZB-H1, X_r - 3 W_r for ZB-V): T = m max_r X_r + (sum_r Y_r - max_r Y_r) / v'. For uniform stages
+    this is m X + (p - 1) Y / v': (m + p - 1)(F + B) for GPipe and 1F1B (Narayanan et al. 2021),
+    m X + (p - 1) X / v for interleaved 1F1B, and Qi et al. 2024's ZB-H1 / ZB-V bubbles, v' = v for
+    interleaved and zero bubble, 1 otherwise; for heterogeneous stages the fill and drain pass
+    through every rank once while the steady state runs at the slowest rank."""
+    _check(p, v, m)
+    schedule = Schedule(schedule)
+    fwd = _per_rank(fwd_s, p, v, "fwd_s")
+    bwd = _per_rank(bwd_s, p, v, "bwd_s")
+    weight = _per_rank(bwd_weight_s, p, v, "bwd_weight_s") if bwd_weight_s is not None else [0.0] * p
+    x = [f + b for f, b in zip(fwd, bwd)]
+    y = [_bubble_term(schedule, v, xi, w) for xi, w in zip(x, weight)]
+    return m * max(x) + (sum(y) - max(y)) / _chunks(schedule, v)
+
+
+def _per_rank(values: Sequence[float], p: int, v: int, name: str) -> list[float]:
+    values = list(values)
+    if len(values) == p:
+        return [float(x) for x in values]
+    if len(values) == p * v:
+        out = [0.0] * p
+        for i, x in enumerate(values):
+            out[i % p] += float(x)
+        return out
+    raise ValueError(f"{name} has {len(values)} entries: give one per pipeline rank (p={p}) "
+                     f"or one per stage (p*v={p * v})")
+
+
+def in_flight_microbatches(schedule: Schedule | str, p: int, v: int, m: int, rank: int) -> float:
+    """Microbatches of activations pipeline rank `rank` holds at its peak, in units of one full
+    microbatch of all its chunks.
+
+    GPipe: all m. 1F1B: min(m, p - rank) (Narayanan et al. 2021: p on the first stage). Interleaved
+    1F1B: Megatron-LM's warm-up of (p - rank - 1) * 2 + (v - 1) * p chunk-microbatches plus the one in
+    flight, over v chunks; on rank 0 that is p (1 + (p - 1)/(p v)) (Narayanan et al. 2021, section
+    2.2.2). Zero bubble: as 1F1B (Qi et al. 2024: ZB-H1 and ZB-V keep 1F1B's peak memory)."""
+    _check(p, v, m)
+    schedule = Schedule(schedule)
+    if not 0 <= rank < p:
+        raise ValueError(f"pipeline rank {rank} out of range for p={p}")
+    if schedule is Schedule.GPIPE:
+        return float(m)
+    if schedule is Schedule.INTERLEAVED and v > 1:
+        chunks = (p - rank - 1) * 2 + (v - 1) * p + 1
+        return min(chunks, m * v) / v
+    return float(min(m, p - rank))

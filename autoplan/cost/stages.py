@@ -1,0 +1,76 @@
+"""Checks that a ParallelConfig can run a LayerGraph on a cluster, and the default pipeline split.
+"""
+
+from __future__ import annotations
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.graph.types import LayerGraph, LayerRole
+from autoplan.plan.types import ParallelConfig
+
+
+def check_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, global_batch: int) -> int:
+    """Raise ValueError (one line, with the numbers) for a config that cannot run; return the number of
+    microbatches per pipeline per step. Memory is not checked here (estimates say fits=False)."""
+    if config.num_devices != cluster.num_devices:
+        raise ValueError(f"config uses pp*dp*ep*cp*tp = {config.num_devices} devices but cluster "
+                         f"{cluster.name!r} has {cluster.num_devices}: make the product {cluster.num_devices}")
+    m = config.num_microbatches(global_batch)
+    blocks = graph.blocks
+    for layer in blocks:
+        for what, value in (("attention heads", layer.num_heads), ("kv heads", layer.num_kv_heads),
+                            ("ffn hidden size", layer.ffn_hidden_size)):
+            if value and value % config.tp:
+                raise ValueError(f"tp={config.tp} does not divide the {what} ({value}) of {layer.name!r}: "
+                                 f"choose tp among the divisors of {value}")
+        if layer.num_experts and layer.num_experts % config.ep:
+            raise ValueError(f"ep={config.ep} does not divide the {layer.num_experts} experts of "
+                             f"{layer.name!r}: choose ep among the divisors of {layer.num_experts}")
+    if config.ep > 1 and not any(layer.num_experts for layer in graph.layers):
+        raise ValueError(f"ep={config.ep} on a dense model ({graph.model_name!r} has no experts): use ep=1")
+    if graph.seq_len % config.cp:
+        raise ValueError(f"cp={config.cp} does not divide seq_len={graph.seq_len}: choose cp among its divisors")
+    num_stages = config.pp * config.virtual_stages
+    if num_stages > max(len(blocks), 1):
+        raise ValueError(f"pp*virtual_stages = {num_stages} pipeline stages but {graph.model_name!r} has "
+                         f"{len(blocks)} blocks: use at most {len(blocks)} stages")
+    return m
+
+
+def balanced_stages(graph: LayerGraph, num_stages: int) -> tuple[tuple[str, ...], ...]:
+    """Default split (Megatron-LM's): blocks divided evenly by count, in order; layers before the first
+    block (embedding) join the first stage, layers after the last block (final norm, head) the last,
+    other layers between blocks follow the block before them. When the count does not divide, the
+    extra blocks go to the middle stages, which carry neither the embedding nor the head."""
+    if num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
+    block_idx = [i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK]
+    if num_stages > max(len(block_idx), 1):
+        raise ValueError(f"{num_stages} stages but {graph.model_name!r} has {len(block_idx)} blocks")
+    if not block_idx:
+        return (tuple(layer.name for layer in graph.layers),)
+    base, extra = divmod(len(block_idx), num_stages)
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
+    counts = [base] * num_stages
+    for k in order[:extra]:
+        counts[k] += 1
+    cuts, total = [], 0  # index into graph.layers where each stage after the first begins
+    for c in counts[:-1]:
+        total += c
+        cuts.append(block_idx[total])
+    bounds = [0] + cuts + [len(graph.layers)]
+    return tuple(tuple(layer.name for layer in graph.layers[bounds[k]:bounds[k + 1]]) for k in range(num_stages))
+
+
+def check_stages(graph: LayerGraph, stages: tuple[tuple[str, ...], ...], num_stages: int) -> tuple[tuple[str, ...], ...]:
+    """Validate a given split: num_stages non-empty stages holding every layer once, in model order."""
+    stages = tuple(tuple(s) for s in stages)
+    if len(stages) != num_stages:
+        raise ValueError(f"stages has {len(stages)} entries but pp*virtual_stages = {num_stages}")
+    flat = [name for stage in stages for name in stage]
+    names = [layer.name for layer in graph.layers]
+    if flat != names:
+        raise ValueError(f"stages must list all {len(names)} layers of {graph.model_name!r} once, in model "
+                         f"order; got {len(flat)} names")
+    if any(not stage for stage in stages):
+        raise ValueError("every pipeline stage needs at least one layer")
+    return stages
