@@ -51,6 +51,9 @@ class Layer:
     num_shared_experts: int = 0
     expert_params: int = 0  # parameters in routed experts (sharded over ep)
     fwd_expert_flops: float = 0.0  # part of fwd_matmul_flops spent in routed experts
+    # every module path the layer covers (the head layer holds the final norm too); graph nodes in it
+    module_paths: tuple[str, ...] = ()
+    num_nodes: int = 0
 
     @property
     def fwd_flops(self) -> float:

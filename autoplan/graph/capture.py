@@ -1,0 +1,280 @@
+"""capture(model, seq_len=..., microbatch=...) -> LayerGraph: trace a model with no memory and measure
+each layer. The only torch.export / fx user in autoplan.
+
+The model is copied onto the meta device (parameters as empty meta tensors of `dtype`; real weights are
+never read or moved), traced with torch.export (strict=False), or torch.fx.symbolic_trace + export as a
+fallback. Repeated blocks with identical modules are traced once and reused (`reuse_blocks=True`); the
+result equals a full capture (tests check it).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import math
+from collections import OrderedDict
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind
+
+from autoplan.graph import activations, layers, recognise
+from autoplan.graph.errors import CaptureError, describe_failure
+from autoplan.graph.types import Layer, LayerGraph, LayerRole
+
+__all__ = ["CaptureError", "capture"]
+
+
+def capture(
+    model: nn.Module,
+    *,
+    seq_len: int,
+    microbatch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    model_name: str | None = None,
+    example_inputs: tuple[Any, ...] | None = None,
+    reuse_blocks: bool = True,
+) -> LayerGraph:
+    """The layer graph of `model` for one microbatch of `microbatch` sequences of `seq_len` tokens.
+
+    Models with an nn.Embedding get token ids [microbatch, seq_len] (Hugging Face models as
+    `input_ids=..., use_cache=False`); others a float input [microbatch, seq_len, in_features] for a
+    leading Linear, [microbatch, C, side*stride, side*stride] with side = sqrt(seq_len) patches for a
+    leading Conv2d; or pass `example_inputs` (tensors on any device; only shapes and dtypes are used).
+    """
+    _check_size("seq_len", seq_len)
+    _check_size("microbatch", microbatch)
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"capture needs an nn.Module, got {type(model).__name__}")
+    shadow = _meta_copy(model, dtype)
+    shadow.train()
+    args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
+    units = layers.find_units(shadow)
+    full_blocks = units.blocks
+    rep_of = _representatives(shadow, units) if reuse_blocks else {}
+    if rep_of:
+        _keep_only(shadow, units.container, sorted(set(rep_of.values()), key=full_blocks.index))
+    ep, method = _trace(shadow, args, kwargs)
+    if rep_of:
+        _keep_only(shadow, units.container, list(full_blocks))
+    built = _measure(ep, shadow, units, microbatch, seq_len)
+    built = _expand(built, full_blocks, rep_of)
+    vocab = max((m.num_embeddings for m in shadow.modules() if isinstance(m, nn.Embedding)), default=0)
+    return LayerGraph(
+        model_name=model_name or _name_of(model),
+        layers=tuple(built),
+        seq_len=seq_len,
+        microbatch=microbatch,
+        dtype_bytes=torch.empty((), dtype=dtype).element_size(),
+        vocab_size=vocab,
+        num_nodes=sum(layer.num_nodes for layer in built),
+        capture_method=method,
+        notes=(f"{len(set(rep_of.values()))} distinct blocks traced, reused for {len(rep_of)}",) if rep_of else (),
+    )
+
+
+def _check_size(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=2048"
+                         if name == "seq_len" else
+                         f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1")
+
+
+def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A deep copy whose parameters are meta tensors of `dtype` (floating ones) and buffers meta tensors
+    of their own dtype: no weight is read, copied or moved."""
+    memo: dict[int, Any] = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) in memo:
+            continue
+        if isinstance(t, nn.Parameter):
+            target = dtype if t.is_floating_point() else t.dtype
+            memo[id(t)] = nn.Parameter(torch.empty(t.shape, dtype=target, device="meta"),
+                                       requires_grad=t.requires_grad)
+        else:
+            memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return copy.deepcopy(model, memo)
+
+
+def _inputs(model: nn.Module, seq_len: int, microbatch: int,
+            example: tuple[Any, ...] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if example is not None:
+        metas = tuple(torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor)
+                      else x for x in example)
+        return metas, {}
+    if any(isinstance(m, nn.Embedding) for m in model.modules()):
+        ids = torch.zeros(microbatch, seq_len, dtype=torch.long, device="meta")
+        if hasattr(model, "config") and hasattr(model, "can_generate"):  # a transformers PreTrainedModel
+            return (), {"input_ids": ids, "use_cache": False}
+        return (ids,), {}
+    first = next((m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv1d, nn.Conv2d))), None)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    if isinstance(first, nn.Linear):
+        shape: tuple[int, ...] = (microbatch, seq_len, first.in_features)
+    elif isinstance(first, nn.Conv1d):
+        shape = (microbatch, first.in_channels, seq_len * first.stride[0])
+    elif isinstance(first, nn.Conv2d):
+        side = math.isqrt(seq_len)
+        if side * side != seq_len:
+            raise ValueError(f"a model starting with Conv2d takes seq_len = patches = side^2, got "
+                             f"{seq_len}; pass a square seq_len or example_inputs=(images,)")
+        shape = (microbatch, first.in_channels, side * first.stride[0], side * first.stride[1])
+    else:
+        raise ValueError(f"cannot infer the input of {type(model).__name__} (no Embedding, Linear or "
+                         f"Conv first); pass example_inputs=(tensor, ...)")
+    return (torch.empty(shape, dtype=dtype, device="meta"),), {}
+
+
+def _representatives(model: nn.Module, units: layers.Units) -> dict[str, str]:
+    """Block path -> the first block with an identical module signature; empty when reuse saves nothing
+    or does not apply (a parameterless block)."""
+    modules = dict(model.named_modules())
+    container = modules[units.container]
+    if len(units.blocks) < 3 or not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+        return {}
+    if not all(layers._has_params(modules[b]) for b in units.blocks):
+        return {}
+    firsts: dict[str, str] = {}
+    rep_of = {b: firsts.setdefault(_signature(modules[b]), b) for b in units.blocks}
+    return rep_of if len(firsts) < len(units.blocks) else {}
+
+
+def _signature(module: nn.Module) -> str:
+    parts: list[Any] = []
+    for name, sub in module.named_modules():
+        attrs = sorted((k, v) for k, v in vars(sub).items() if not k.startswith("_")
+                       and k not in {"training", "layer_idx", "layer_id", "layer_number", "index"}
+                       and isinstance(v, (int, float, str, bool, type(None))))
+        parts.append((name, type(sub).__qualname__, attrs))
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        parts.append((name, tuple(t.shape), str(t.dtype), t.requires_grad))
+    return repr(parts)
+
+
+def _keep_only(model: nn.Module, container_path: str, children: list[str]) -> None:
+    container = model.get_submodule(container_path)
+    every = {**container._modules, **getattr(container, "_autoplan_all", {})}
+    container._autoplan_all = every  # type: ignore[attr-defined]
+    names = [c.rpartition(".")[2] if container_path else c for c in children]
+    container._modules = OrderedDict((n, every[n]) for n in names)
+
+
+def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[ExportedProgram, str]:
+    try:
+        return torch.export.export(model, args, kwargs, strict=False), "export"
+    except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one CaptureError line
+        first = exc
+    try:
+        traced = torch.fx.symbolic_trace(model)
+        return torch.export.export(traced, args, kwargs, strict=False), "symbolic_trace"
+    except Exception:  # noqa: BLE001
+        pass
+    raise CaptureError(describe_failure(first, model)) from first
+
+
+def _measure(ep: ExportedProgram, model: nn.Module, units: layers.Units, microbatch: int,
+             seq_len: int) -> list[Layer]:
+    graph = ep.graph
+    specs = ep.graph_signature.input_specs
+    user = {s.arg.name for s in specs if s.kind is InputKind.USER_INPUT}
+    params = {s.arg.name for s in specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER,
+                                                      InputKind.CONSTANT_TENSOR)}
+    taint = layers.taint(graph, user, params)
+    groups = layers.group_nodes(graph, units, model)
+    saved = activations.saved_for_backward(ep, taint, seq_len)
+    owner = _param_owners(ep, model, groups)
+    hint = layers.Hint()
+    out = []
+    for index, group in enumerate(groups):
+        out.append(_layer(group, index, model, owner, taint, hint, saved, microbatch))
+    return out
+
+
+def _param_owners(ep: ExportedProgram, model: nn.Module, groups: list[layers.Group]) -> dict[str, int]:
+    """Parameter FQN -> index of the group that owns it (by module path, else its first user)."""
+    paths = {p: i for i, g in enumerate(groups) for p in g.paths}
+    node_group = {n: i for i, g in enumerate(groups) for n in g.nodes}
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    by_target = {s.target: placeholders.get(s.arg.name) for s in ep.graph_signature.input_specs
+                 if s.kind is InputKind.PARAMETER}
+    owner: dict[str, int] = {}
+    for fqn, _ in model.named_parameters():
+        unit = layers.unit_of(fqn.rpartition(".")[0], set(paths))
+        if unit is not None:
+            owner[fqn] = paths[unit]
+            continue
+        node = by_target.get(fqn)
+        users = [node_group[u] for u in node.users if u in node_group] if node is not None else []
+        if users:
+            owner[fqn] = min(users)
+    return owner
+
+
+def _layer(group: layers.Group, index: int, model: nn.Module, owner: dict[str, int],
+           taint: layers.Taint, hint: layers.Hint, saved: dict, microbatch: int) -> Layer:
+    nodes = group.nodes
+    own = [(fqn, p) for fqn, p in model.named_parameters() if owner.get(fqn) == index]
+    hidden = recognise.layer_hidden(nodes, taint, hint)
+    experts = recognise.find_experts(model, group.paths, hidden)
+    moe: dict[str, Any] = {}
+    hint.unbacked = 1
+    if experts is not None:
+        tokens, top_k = recognise.router_tokens_and_topk(nodes, experts, hint)
+        top_k = top_k or layers.module_topk(model, group.paths)
+        hint.unbacked = max(1, tokens * top_k // experts.num_experts)
+        moe = dict(num_experts=experts.num_experts, top_k=top_k, expert_params=experts.expert_params,
+                   num_shared_experts=recognise.shared_experts(model, group.paths, experts),
+                   fwd_expert_flops=2.0 * tokens * top_k * experts.weight_params_per_expert)
+    m = layers.measure(nodes, taint, hint, experts.paths if experts else ())
+    shape = recognise.transformer_shape(nodes, taint, hint, microbatch, hidden, experts)
+    act, attn_act = layers.saved_bytes(nodes, saved)
+    in_bytes, out_bytes = layers.boundary_bytes(nodes, taint, hint)
+    relative = sorted((_relative(fqn, group.paths), tuple(p.shape), str(p.dtype)) for fqn, p in own)
+    kind = f"{group.role.value}/{'moe' if experts else 'dense'}/{layers.kind_hash(group.role, m.signature, relative)}"
+    return Layer(
+        name=group.name, kind=kind, role=group.role, index=index,
+        fwd_matmul_flops=m.matmul + moe.get("fwd_expert_flops", 0.0),
+        fwd_attention_flops=m.attention, fwd_elementwise_flops=m.elementwise,
+        num_params=sum(p.numel() for _, p in own), param_bytes=sum(p.numel() * p.element_size() for _, p in own),
+        activation_bytes=act, attention_activation_bytes=attn_act, input_bytes=in_bytes,
+        output_bytes=out_bytes, bytes_moved=m.bytes_moved, hidden_size=shape.hidden_size,
+        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, ffn_hidden_size=shape.ffn_hidden_size,
+        module_paths=tuple(group.paths), num_nodes=len(nodes), **moe,
+    )
+
+
+def _relative(fqn: str, paths: list[str]) -> str:
+    for path in paths:
+        if path and fqn.startswith(path + "."):
+            return f"{paths.index(path)}:{fqn[len(path) + 1:]}"
+    return fqn
+
+
+def _expand(built: list[Layer], full_blocks: tuple[str, ...], rep_of: dict[str, str]) -> list[Layer]:
+    """Replace the traced representatives by every block they stand for, in model order."""
+    if not rep_of:
+        return built
+    by_name = {layer.name: layer for layer in built}
+    out: list[Layer] = []
+    done = False
+    for layer in built:
+        if layer.role is LayerRole.BLOCK and layer.name in by_name and layer.name in rep_of:
+            if not done:
+                out += [replace(by_name[rep_of[b]], name=b, module_paths=(b,)) for b in full_blocks]
+                done = True
+            continue
+        out.append(layer)
+    return [replace(layer, index=i) for i, layer in enumerate(out)]
+
+
+def _name_of(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    for attr in ("name", "name_or_path", "_name_or_path", "model_type"):
+        value = getattr(config, attr, None)
+        if isinstance(value, str) and value:
+            return value
+    return type(model).__name__
+
