@@ -293,3 +293,9 @@ class Plan:
 
     def recompute_for(self, layer_name: str) -> Recompute:
         return dict(self.layer_recompute).get(layer_name, self.config.recompute)
+
+    def explain(self) -> str:
+        """The plan in plain words (autoplan.plan.explain.explain)."""
+        from autoplan.plan.explain import explain
+
+        return explain(self)

@@ -129,7 +129,8 @@ def _objective(ix: _Index, problem: StageProblem, scale: float) -> np.ndarray:
 
 
 def solve_ilp(problem: StageProblem, *, time_limit_s: float = 10.0) -> StageSolution | None:
-    """The optimal split and recompute counts, or None when no split fits (or the solver gives up)."""
+    """The optimal split and recompute counts, or None when no split fits; RuntimeError when the solver
+    stops (time limit) without any solution."""
     ix = _Index(problem)
     scale = max(max(max(row) for row in problem.time_s), 1e-30)
     builder = _Builder(ix.t + 1)
@@ -147,7 +148,9 @@ def solve_ilp(problem: StageProblem, *, time_limit_s: float = 10.0) -> StageSolu
                bounds=Bounds(np.zeros(ix.t + 1), upper),
                options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6})
     if res.x is None:
-        return None
+        if res.status == 2:  # proven infeasible: no split fits
+            return None
+        raise RuntimeError(f"HiGHS found no solution: {res.message}")
     n = np.rint(res.x[:ix.num_n]).astype(np.int64).reshape(ix.s, ix.j, ix.r)
     try:
         solution = evaluate(problem, tuple(tuple(tuple(int(x) for x in run) for run in st) for st in n.tolist()),

@@ -1,0 +1,136 @@
+"""`autoplan plan`, `autoplan estimate`, `autoplan models`, `autoplan clusters`: flags -> the API.
+
+`add_config_flags(parser)` / `config_from_args(args, num_devices)` define the ParallelConfig flags once,
+for `estimate` here and for `autoplan run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+
+_GIB = 2**30
+_CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute")
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """--tp --pp --dp --cp --ep --sp --zero --microbatch --schedule --virtual-stages --recompute."""
+    group = parser.add_argument_group("parallel configuration (omitted: defaults; dp: the rest of the devices)")
+    for name in ("tp", "pp", "dp", "cp", "ep"):
+        group.add_argument(f"--{name}", type=int, default=None, metavar="N", help=f"{name} degree")
+    group.add_argument("--sp", action="store_true", default=None, help="sequence parallelism over the tp group")
+    group.add_argument("--zero", type=int, default=None, metavar="N", help="ZeRO stage 0-3")
+    group.add_argument("--microbatch", type=int, default=None, metavar="N", help="sequences per microbatch")
+    group.add_argument("--schedule", default=None, metavar="S", help="|".join(s.value for s in Schedule))
+    group.add_argument("--virtual-stages", dest="virtual_stages", type=int, default=None, metavar="V",
+                       help="model chunks per pipeline rank (interleaved / zb)")
+    group.add_argument("--recompute", default=None, metavar="R", help="|".join(r.value for r in Recompute))
+
+
+def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConfig:
+    """The ParallelConfig the flags describe (ValueError, one line, on bad values)."""
+    given = {k: getattr(args, k) for k in _CONFIG_KEYS if getattr(args, k, None) is not None}
+    return ParallelConfig.from_dict(given, num_devices=num_devices)
+
+
+def _add_job_flags(parser: argparse.ArgumentParser, *, need_batch: bool = True) -> None:
+    parser.add_argument("--model", required=True, help="preset name, or path/to/file.py:factory")
+    parser.add_argument("--cluster", required=True, help="profile name (see `autoplan clusters`) or YAML path")
+    parser.add_argument("--nodes", type=int, default=1, help="number of nodes (default 1)")
+    parser.add_argument("--devices-per-node", dest="devices_per_node", type=int, default=None)
+    parser.add_argument("--global-batch", dest="global_batch", type=int, required=need_batch,
+                        help="sequences per optimizer step")
+    parser.add_argument("--seq-len", dest="seq_len", type=int, required=True, help="tokens per sequence")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("plan", help="rank the fastest parallel plans that fit")
+    _add_job_flags(p)
+    p.add_argument("--top-k", dest="top_k", type=int, default=5)
+    p.add_argument("--json", metavar="FILE", help="write the best plan as JSON")
+    p.add_argument("--no-ilp", dest="use_ilp", action="store_false", help="skip the per-layer ILP refinement")
+    p.add_argument("--quiet", action="store_true", help="no progress line on stderr")
+    p.set_defaults(func=cmd_plan)
+    e = subparsers.add_parser("estimate", help="predict one configuration, with its breakdown")
+    _add_job_flags(e)
+    add_config_flags(e)
+    e.set_defaults(func=cmd_estimate)
+    m = subparsers.add_parser("models", help="list the model presets")
+    m.set_defaults(func=cmd_models)
+    c = subparsers.add_parser("clusters", help="list the cluster profiles")
+    c.set_defaults(func=cmd_clusters)
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    from autoplan.search.api import load_cluster
+
+    for name in ("nodes", "devices_per_node", "global_batch", "seq_len", "top_k"):
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    extra = {"devices_per_node": args.devices_per_node} if args.devices_per_node else {}
+    return load_cluster(args.cluster, num_nodes=args.nodes, **extra)
+
+
+def _print(renderable: Any) -> None:
+    from rich.console import Console
+
+    Console(width=200).print(renderable)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from autoplan.plan.io import save_plan
+    from autoplan.search.api import autoplan
+
+    cluster = _cluster(args)
+    plans = autoplan(args.model, cluster, global_batch=args.global_batch, seq_len=args.seq_len, top_k=args.top_k,
+                     use_ilp=args.use_ilp, progress=not args.quiet)
+    _print(plans.table())
+    print(plans[0].explain())
+    if args.json:
+        save_plan(plans[0], args.json)
+        print(f"best plan written to {args.json}")
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from autoplan.search.api import estimate
+
+    cluster = _cluster(args)
+    config = config_from_args(args, cluster.num_devices)
+    est = estimate(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
+    print(f"{args.model} on {cluster.num_devices} x {cluster.device.name}, global batch {args.global_batch}, "
+          f"seq {args.seq_len}")
+    print("config: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()))
+    print(f"step {est.step_time_s:.4f} s, {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}, "
+          f"memory {est.peak_mem_bytes / _GIB:.1f} of {est.mem_capacity_bytes / _GIB:.0f} GiB per device"
+          + ("" if est.fits else " -- DOES NOT FIT"))
+    print("time per step:")
+    for k, v in est.breakdown.items():
+        print(f"  {k:<10} {v:10.4f} s  {v / (est.step_time_s or 1):6.1%}")
+    print("memory per device:")
+    for k, v in est.memory.to_dict().items():
+        print(f"  {k:<12} {v / _GIB:8.2f} GiB")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from autoplan.models import PRESETS
+
+    print(f"{'name':<14} {'family':<6} {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>3} {'experts':>7}  vocab")
+    for name, c in PRESETS.items():
+        print(f"{name:<14} {c.family:<6} {c.num_layers:>6} {c.hidden_size:>6} {c.num_heads:>5} {c.num_kv_heads:>3} "
+              f"{c.num_experts:>7}  {c.vocab_size}")
+    return 0
+
+
+def cmd_clusters(args: argparse.Namespace) -> int:
+    from autoplan.cluster.load import Cluster
+
+    for name in Cluster.names():
+        c = Cluster.load(name)
+        print(f"{name:<16} {c.device.name:<18} {c.devices_per_node} per node, {c.device.mem_bytes / _GIB:.0f} GiB, "
+              f"{c.intra_node.name} / {c.inter_node.name}")
+    return 0

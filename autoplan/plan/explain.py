@@ -1,0 +1,43 @@
+"""A plan in plain words: the configuration, where the time and the memory go, and the search's reasons."""
+
+from __future__ import annotations
+
+from autoplan.plan.types import Plan
+
+_GIB = 2**30
+_CAUSES = {
+    "compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
+    "dp_comm": "data-parallel gradient sync", "pp_bubble": "pipeline bubble", "pp_comm": "pipeline sends",
+    "ep_comm": "expert all-to-all", "cp_comm": "context-parallel exchange", "optimizer": "optimizer step",
+}
+
+
+def describe_config(plan: Plan) -> str:
+    c = plan.config
+    parts = [f"tp={c.tp}", f"pp={c.pp}", f"dp={c.dp}", f"cp={c.cp}", f"ep={c.ep}", f"sp={'on' if c.sp else 'off'}",
+             f"zero={c.zero}", f"microbatch={c.microbatch}", f"schedule={c.schedule.value}"]
+    if c.virtual_stages > 1:
+        parts.append(f"virtual_stages={c.virtual_stages}")
+    parts.append(f"recompute={c.recompute.value}" + (f" ({len(plan.layer_recompute)} layers differ)"
+                                                     if plan.layer_recompute else ""))
+    return ", ".join(parts)
+
+
+def explain(plan: Plan) -> str:
+    """Several lines: what the plan is, its predicted cost, and why the search chose it."""
+    e = plan.estimate
+    head = f"Plan #{plan.rank}" if plan.rank else "Plan"
+    lines = [
+        f"{head} for {plan.model_name} on {plan.num_devices} devices ({plan.cluster_name}), global batch "
+        f"{plan.global_batch} x {plan.seq_len} tokens:",
+        f"  {describe_config(plan)}",
+        f"  step {e.step_time_s:.3f} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, "
+        f"{e.peak_mem_bytes / _GIB:.1f} of {e.mem_capacity_bytes / _GIB:.0f} GiB per device"
+        + ("" if e.fits else " (DOES NOT FIT)"),
+        "  time: " + ", ".join(f"{_CAUSES.get(k, k)} {v:.3g} s" for k, v in e.breakdown.items() if v > 0),
+        "  memory: " + ", ".join(f"{k} {v / _GIB:.1f} GiB" for k, v in e.memory.to_dict().items() if v > 0),
+    ]
+    if plan.notes:
+        lines.append("Why:")
+        lines += [f"  - {note}" for note in plan.notes]
+    return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""The public API: `autoplan(model, cluster, ...) -> Plans` and `estimate(model, cluster, config, ...)`.
+
+`model` is an nn.Module, a preset name, "path/to/file.py:factory" or a captured LayerGraph; `cluster` a
+ClusterSpec or a profile name / path. Models are captured once per (model, seq_len) and reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import weakref
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Mapping
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.graph.types import LayerGraph
+from autoplan.plan.types import Estimate, ParallelConfig, Plan
+from autoplan.search.search import search
+from autoplan.search.space import SearchOptions
+
+_CLUSTER_OPTIONS = ("num_nodes", "devices_per_node")
+_SEARCH_OPTIONS = tuple(f.name for f in dataclasses.fields(SearchOptions) if f.name not in ("global_batch", "top_k"))
+_module_graphs: "weakref.WeakKeyDictionary[Any, dict[int, LayerGraph]]" = weakref.WeakKeyDictionary()
+
+
+class Plans(tuple):
+    """The ranked plans, best first: a tuple of Plan that prints as a table."""
+
+    @property
+    def best(self) -> Plan:
+        return self[0]
+
+    def table(self) -> Any:
+        from autoplan.search.table import plans_table
+
+        return plans_table(self)
+
+    def __rich__(self) -> Any:
+        return self.table()
+
+    def __str__(self) -> str:
+        from autoplan.search.table import render
+
+        return render(self.table())
+
+    def __repr__(self) -> str:
+        return f"Plans({len(self)} plans)\n{self}"
+
+
+def _check_size(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def load_cluster(cluster: ClusterSpec | str | Path, **cluster_options: Any) -> ClusterSpec:
+    if isinstance(cluster, ClusterSpec):
+        if cluster_options:
+            return dataclasses.replace(cluster, **cluster_options)
+        return cluster
+    from autoplan.cluster.load import Cluster
+
+    return Cluster.load(str(cluster), **cluster_options)
+
+
+def load_model(spec: str) -> Any:
+    """A preset name, or "path/to/file.py:factory" (the file is imported and factory() called on meta)."""
+    import torch
+
+    if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
+        path, factory = spec.rsplit(":", 1)
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"model file {path!r} not found")
+        module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+        if not callable(getattr(module, factory, None)):
+            raise ValueError(f"{path} has no callable {factory!r}: name a function that returns an nn.Module")
+        with torch.device("meta"):
+            return getattr(module, factory)()
+    from autoplan.models import PRESETS, preset
+
+    if spec not in PRESETS:
+        raise ValueError(f"unknown model {spec!r}: choose a preset ({', '.join(PRESETS)}) or give file.py:factory")
+    with torch.device("meta"):
+        return preset(spec)
+
+
+@lru_cache(maxsize=16)
+def _named_graph(spec: str, seq_len: int) -> LayerGraph:
+    from autoplan.graph.capture import capture
+
+    name = Path(spec.split(":")[0]).stem if ":" in spec else spec
+    return capture(load_model(spec), seq_len=seq_len, microbatch=1, model_name=name)
+
+
+def model_graph(model: Any, seq_len: int) -> LayerGraph:
+    """The layer graph of `model` at `seq_len`, captured once (microbatch 1; the cost model scales it)."""
+    _check_size("seq_len", seq_len)
+    if isinstance(model, LayerGraph):
+        if model.seq_len != seq_len:
+            raise ValueError(f"the layer graph was captured at seq_len {model.seq_len}, not {seq_len}: capture again")
+        return model
+    if isinstance(model, (str, Path)):
+        return _named_graph(str(model), seq_len)
+    from autoplan.graph.capture import capture
+
+    per_len = _module_graphs.setdefault(model, {})
+    if seq_len not in per_len:
+        per_len[seq_len] = capture(model, seq_len=seq_len, microbatch=1,
+                                   model_name=getattr(getattr(model, "config", None), "name", None))
+    return per_len[seq_len]
+
+
+def _split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    unknown = sorted(set(options) - set(_SEARCH_OPTIONS) - set(_CLUSTER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}: known are {sorted(_SEARCH_OPTIONS + _CLUSTER_OPTIONS)}")
+    return ({k: v for k, v in options.items() if k in _SEARCH_OPTIONS},
+            {k: v for k, v in options.items() if k in _CLUSTER_OPTIONS})
+
+
+def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k: int = 5, **options: Any) -> Plans:
+    """The top_k fastest plans that fit, best first. Options: the SearchOptions fields (tp=8 or tp=(4, 8)
+    fixes or restricts a degree; zero, sp, schedules, recompute, microbatch, use_ilp, progress) and
+    num_nodes / devices_per_node for a cluster given by name."""
+    _check_size("global_batch", global_batch)
+    _check_size("seq_len", seq_len)
+    search_options, cluster_options = _split_options(options)
+    spec = load_cluster(cluster, **cluster_options)
+    opts = SearchOptions(global_batch=global_batch, top_k=top_k, **search_options)
+    return Plans(search(model_graph(model, seq_len), spec, opts))
+
+
+def check_config(config: ParallelConfig, cluster: ClusterSpec, global_batch: int) -> None:
+    """The errors a user can make in a config, each one line with the numbers."""
+    if config.tp > cluster.devices_per_node:
+        raise ValueError(f"tp={config.tp} is larger than a node of {cluster.devices_per_node} devices: tensor "
+                         f"parallelism stays inside a node, use tp <= {cluster.devices_per_node}")
+    if config.num_devices != cluster.num_devices:
+        raise ValueError(f"tp*pp*dp*cp*ep = {config.tp}*{config.pp}*{config.dp}*{config.cp}*{config.ep} = "
+                         f"{config.num_devices} devices, but the cluster has {cluster.num_devices}: "
+                         f"change the degrees (or omit dp to derive it)")
+    config.num_microbatches(global_batch)
+
+
+def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any], *, global_batch: int,
+             seq_len: int, **cluster_options: Any) -> Estimate:
+    """The predicted step of one configuration (a ParallelConfig or a dict; dp may be omitted)."""
+    _check_size("global_batch", global_batch)
+    _check_size("seq_len", seq_len)
+    unknown = sorted(set(cluster_options) - set(_CLUSTER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown}: known are {list(_CLUSTER_OPTIONS)}")
+    spec = load_cluster(cluster, **cluster_options)
+    if not isinstance(config, ParallelConfig):
+        if not isinstance(config, Mapping):
+            raise ValueError(f"config must be a ParallelConfig or a dict, got {type(config).__name__}")
+        config = ParallelConfig.from_dict(config, num_devices=spec.num_devices)
+    check_config(config, spec, global_batch)
+    from autoplan.cost import estimate_config
+
+    return estimate_config(model_graph(model, seq_len), spec, config, global_batch=global_batch)

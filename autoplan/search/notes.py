@@ -1,0 +1,138 @@
+"""Plain-words reasons for each plan (what dominates the time, why these degrees, what memory forced),
+and the message when nothing fits (by how much, and what would make it fit).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.graph.types import LayerGraph
+from autoplan.plan.types import Plan, Recompute
+from autoplan.search.space import COLUMNS, RECOMPUTES, SearchOptions, Space
+from autoplan.search.surrogate import Quick
+
+GIB = 2**30
+_CAUSES = {
+    "compute": "compute", "recompute": "recomputation", "tp_comm": "tensor-parallel communication",
+    "dp_comm": "data-parallel gradient sync", "pp_bubble": "pipeline bubble", "pp_comm": "pipeline sends",
+    "ep_comm": "expert all-to-all", "cp_comm": "context-parallel exchange", "optimizer": "optimizer step",
+}
+
+
+def top_causes(plan: Plan, n: int = 3) -> list[tuple[str, float]]:
+    """(cause, fraction of the step) of the n largest entries of the breakdown."""
+    b = plan.estimate.breakdown
+    total = b.total_s or 1.0
+    return sorted(((k, v / total) for k, v in b.items() if v > 0), key=lambda kv: -kv[1])[:n]
+
+
+def _same_except(space: Space, row: int, **changes: int) -> np.ndarray:
+    mask = np.ones(len(space), dtype=bool)
+    for col in COLUMNS:
+        mask &= space.columns[col] == changes.get(col, space.columns[col][row])
+    return np.nonzero(mask)[0]
+
+
+def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: ClusterSpec, space: Space, quick: Quick,
+               row: int) -> tuple[str, ...]:
+    c, est = plan.config, plan.estimate
+    notes = ["Time per step {:.3g} s: {}.".format(est.step_time_s, ", ".join(
+        f"{_CAUSES[k]} {f:.0%}" for k, f in top_causes(plan)))]
+    link = cluster.intra_node.name
+    if c.tp > 1:
+        notes.append(f"tp={c.tp} splits every layer over {c.tp} devices of one node, so its per-layer "
+                     f"collectives stay on {link} (tensor-parallel communication "
+                     f"{est.breakdown.tp_comm / est.step_time_s:.0%} of the step)"
+                     + (" ; sequence parallelism divides the remaining activations by tp too." if c.sp else "."))
+    else:
+        notes.append("tp=1: layers run whole on each device, with no per-layer communication.")
+    blocks = len(graph.blocks)
+    if c.pp > 1:
+        sizes = [sum(1 for n in s.layer_names if n in {b.name for b in graph.blocks}) for s in plan.stages]
+        notes.append(f"pp={c.pp} cuts the {blocks} blocks into {len(plan.stages)} stages ({_sizes(sizes)} blocks) so "
+                     f"each device holds 1/{c.pp} of the weights; with {c.num_microbatches(plan.global_batch)} "
+                     f"microbatches the bubble costs {est.breakdown.pp_bubble / est.step_time_s:.0%} "
+                     f"(schedule {c.schedule.value}" + (f", v={c.virtual_stages})." if c.virtual_stages > 1 else ")."))
+    else:
+        notes.append("pp=1: every device holds all the blocks; no pipeline bubble.")
+    m = est.memory
+    notes.append(f"Memory per device {est.peak_mem_bytes / GIB:.1f} of {est.mem_capacity_bytes / GIB:.0f} GiB: "
+                 f"weights {m.weights / GIB:.1f}, gradients {m.gradients / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, "
+                 f"activations {m.activations / GIB:.1f}, reserve {m.reserve / GIB:.1f}.")
+    notes += _memory_reasons(plan, space, quick, row)
+    if c.dp * c.ep > 1:
+        notes.append(f"dp={c.dp}" + (f" x ep={c.ep}" if c.ep > 1 else "") + f" replicas split the global batch of "
+                     f"{plan.global_batch}; gradient sync exposed {est.breakdown.dp_comm / est.step_time_s:.0%}.")
+    others = [p for p in plans if p is not plan]
+    if others and plan.rank == 1:
+        nxt = others[0]
+        diff = ", ".join(f"{k} {nxt.config.to_dict()[k]}" for k, v in c.to_dict().items() if nxt.config.to_dict()[k] != v)
+        gain = nxt.estimate.step_time_s / est.step_time_s - 1
+        notes.append(f"{gain:.1%} faster than plan #2 ({diff or 'a different stage split'}).")
+    return tuple(notes)
+
+
+def _memory_reasons(plan: Plan, space: Space, quick: Quick, row: int) -> list[str]:
+    out = []
+    cap = plan.estimate.mem_capacity_bytes
+    if row < 0:
+        return out
+    modes = {r for _, r in plan.layer_recompute} | {plan.config.recompute}
+    if modes != {Recompute.NONE}:
+        alt = _same_except(space, row, recompute=RECOMPUTES.index(Recompute.NONE))
+        if len(alt):
+            need = float(quick.peak_mem_bytes[alt[0]])
+            verdict = "would not fit" if need > cap else "would fit but runs slower here"
+            out.append(f"Recompute ({_mode_summary(plan)}): without it this mesh needs about {need / GIB:.0f} GiB "
+                       f"per device, so it {verdict}.")
+    if plan.config.zero > 0:
+        alt = _same_except(space, row, zero=0)
+        if len(alt):
+            out.append(f"ZeRO-{plan.config.zero} shards model states over the data-parallel group; unsharded this "
+                       f"mesh needs about {float(quick.peak_mem_bytes[alt[0]]) / GIB:.0f} GiB per device.")
+    return out
+
+
+def _mode_summary(plan: Plan) -> str:
+    if not plan.layer_recompute:
+        return plan.config.recompute.value
+    over = {}
+    for _, r in plan.layer_recompute:
+        over[r.value] = over.get(r.value, 0) + 1
+    return f"{plan.config.recompute.value} except " + ", ".join(f"{n} layers {r}" for r, n in over.items())
+
+
+def _sizes(sizes: list[int]) -> str:
+    if len(set(sizes)) == 1:
+        return f"{len(sizes)} x {sizes[0]}"
+    return "/".join(str(s) for s in sizes) if len(sizes) <= 12 else f"{min(sizes)}-{max(sizes)}"
+
+
+def nothing_fits_message(graph: LayerGraph, cluster: ClusterSpec, space: Space, quick: Quick,
+                         options: SearchOptions, cost: Any) -> str:
+    """By how much the least memory-hungry candidate overflows (exact estimate), and the remedies."""
+    order = np.argsort(quick.peak_mem_bytes)[:16]
+    best = None
+    for row in order.tolist():
+        est = cost.estimate_config(graph, cluster, space.config(row), global_batch=options.global_batch)
+        if best is None or est.peak_mem_bytes < best[1].peak_mem_bytes:
+            best = (row, est)
+    row, est = best
+    config = space.config(row)
+    need, cap = est.peak_mem_bytes, est.mem_capacity_bytes
+    ratio = need / cap
+    remedies = [f"more devices (about {int(np.ceil(ratio * cluster.num_nodes))} nodes instead of {cluster.num_nodes})"]
+    if config.microbatch > 1:
+        remedies.append("a smaller microbatch")
+    if config.recompute is not Recompute.FULL:
+        remedies.append("full recompute")
+    if config.zero < 3:
+        remedies.append("ZeRO-3")
+    remedies.append("a shorter sequence or devices with more memory")
+    cfg = ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
+    return (f"nothing fits in {cap / GIB:.0f} GiB per device: the least memory-hungry of {len(space):,} "
+            f"candidates ({cfg}) needs {need / GIB:.1f} GiB, {(need - cap) / GIB:.1f} GiB ({ratio - 1:.0%}) over; "
+            f"try " + ", ".join(remedies))

@@ -1,0 +1,126 @@
+"""Per-layer recompute and the pipeline stage split for one configuration: build the StageProblem from
+the cost model's per-layer costs, solve it (ILP, DP fallback), decode it into stages and overrides.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.graph.types import LayerGraph, LayerRole
+from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.search.ilp import solve_ilp
+from autoplan.search.space import SCHEDULES
+from autoplan.search.stages import StageProblem, StageSolution, solve_dp
+from autoplan.search.surrogate import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, inflight
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Layout:
+    """A decoded solution: the config (recompute = the most common mode), stages and overrides."""
+
+    config: ParallelConfig
+    stages: tuple[tuple[str, ...], ...]
+    layer_recompute: tuple[tuple[str, Recompute], ...]
+    solution: StageSolution
+
+
+def _static_bytes(cost: Any, config: ParallelConfig) -> float:
+    """Weights, gradients and optimizer states of one layer under ZeRO (Rajbhandari et al. 2020)."""
+    dense_n = config.dp * config.ep * config.cp
+    shard = cost.grad_param_count / dense_n + cost.expert_param_count / (config.dp * config.cp)
+    full = cost.param_count
+    return ((shard if config.zero >= 3 else full) * WEIGHT_BYTES + (shard if config.zero >= 2 else full) * GRAD_BYTES
+            + (shard if config.zero >= 1 else full) * OPTIMIZER_BYTES)
+
+
+def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
+                  modes: tuple[Recompute, ...], cost_model: Any) -> tuple[StageProblem, list[list[str]]]:
+    """The stage problem of `config` and the layer names of each run (in model order)."""
+    blocks = [i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK]
+    lo, hi = blocks[0], blocks[-1]
+    runs: list[list[str]] = []
+    costs: dict[tuple[str, Recompute], Any] = {}
+
+    def layer_cost(i: int, mode: Recompute) -> Any:
+        layer = graph.layers[i]
+        key = (layer.kind, mode)
+        if key not in costs:
+            costs[key] = cost_model.estimate_layer(layer, cluster, replace(config, recompute=mode), mode,
+                                                   seq_len=graph.seq_len)
+        return costs[key]
+
+    run_first: list[int] = []
+    for i in range(lo, hi + 1):
+        if runs and graph.layers[i].kind == graph.layers[run_first[-1]].kind:
+            runs[-1].append(graph.layers[i].name)
+        else:
+            runs.append([graph.layers[i].name])
+            run_first.append(i)
+    m = config.num_microbatches(global_batch)
+    f = inflight(np.array([SCHEDULES.index(config.schedule)]), config.pp, config.virtual_stages, np.array([m]))[0]
+    pinned = [[layer_cost(i, Recompute.NONE) for i in rng] for rng in (range(lo), range(hi + 1, len(graph.layers)))]
+    work = max(layer_cost(i, mode).work_mem_bytes if hasattr(layer_cost(i, mode), "work_mem_bytes") else 0
+               for i in run_first for mode in modes)
+    problem = StageProblem(
+        run_sizes=tuple(len(r) for r in runs),
+        time_s=tuple(tuple(layer_cost(i, mode).time_s for mode in modes) for i in run_first),
+        static_bytes=tuple(_static_bytes(layer_cost(i, modes[0]), config) for i in run_first),
+        act_bytes=tuple(tuple(float(layer_cost(i, mode).act_mem_bytes) for mode in modes) for i in run_first),
+        num_ranks=config.pp, virtual_stages=config.virtual_stages, inflight=tuple(float(x) for x in f),
+        mem_limit_bytes=float(cluster.device.mem_bytes - cluster.device.runtime_reserve_bytes - work),
+        first_time_s=sum(c.time_s for c in pinned[0]),
+        first_static_bytes=sum(_static_bytes(c, config) for c in pinned[0]),
+        first_act_bytes=float(sum(c.act_mem_bytes for c in pinned[0])),
+        last_time_s=sum(c.time_s for c in pinned[1]),
+        last_static_bytes=sum(_static_bytes(c, config) for c in pinned[1]),
+        last_act_bytes=float(sum(c.act_mem_bytes for c in pinned[1])),
+    )
+    return problem, runs
+
+
+def decode(graph: LayerGraph, config: ParallelConfig, runs: list[list[str]], solution: StageSolution,
+           modes: tuple[Recompute, ...]) -> Layout:
+    """Stages as layer names (pinned layers on the first and last stage) and the per-layer modes."""
+    blocks = [i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK]
+    head = [layer.name for layer in graph.layers[:blocks[0]]]
+    tail = [layer.name for layer in graph.layers[blocks[-1] + 1:]]
+    cursor = [0] * len(runs)
+    stages: list[list[str]] = []
+    chosen: list[tuple[str, Recompute]] = []
+    for stage in solution.counts:
+        names: list[str] = []
+        for j, per_mode in enumerate(stage):
+            for mode, count in zip(modes, per_mode):
+                for name in runs[j][cursor[j]:cursor[j] + count]:
+                    names.append(name)
+                    chosen.append((name, mode))
+                cursor[j] += count
+        stages.append(names)
+    stages[0] = head + stages[0]
+    stages[-1] = stages[-1] + tail
+    order = {layer.name: layer.index for layer in graph.layers}
+    for names in stages:
+        names.sort(key=order.__getitem__)  # the modes were grouped per stage; keep model order
+    common = Counter(mode for _, mode in chosen).most_common(1)[0][0]
+    overrides = tuple(sorted(((n, r) for n, r in chosen if r is not common), key=lambda x: order[x[0]]))
+    return Layout(config=replace(config, recompute=common), stages=tuple(tuple(s) for s in stages),
+                  layer_recompute=overrides, solution=solution)
+
+
+def refine(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
+           modes: tuple[Recompute, ...], cost_model: Any, time_limit_s: float = 5.0) -> Layout | None:
+    """The fastest stage split and per-layer recompute for `config` (None when no split fits)."""
+    if not any(layer.role is LayerRole.BLOCK for layer in graph.layers):
+        return None
+    problem, runs = build_problem(graph, cluster, config, global_batch=global_batch, modes=modes,
+                                  cost_model=cost_model)
+    try:
+        solution = solve_ilp(problem, time_limit_s=time_limit_s)
+    except RuntimeError:
+        solution = solve_dp(problem)  # the solver stopped without a solution: the DP's (exact for v = 1)
+    return None if solution is None else decode(graph, config, runs, solution, modes)

@@ -1,0 +1,153 @@
+"""search(graph, cluster, options): enumerate -> quick estimate -> exact estimate of a shortlist ->
+refine stages and per-layer recompute (ILP) -> rank -> explain. Nothing here reads argv or files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Iterator
+
+import numpy as np
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.graph.types import LayerGraph
+from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute, Stage
+from autoplan.search.notes import nothing_fits_message, plan_notes
+from autoplan.search.refine import refine
+from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space
+from autoplan.search.surrogate import Quick, quick_estimate
+
+QUICK_MEM_SLACK = 1.3  # the quick estimate may be this far off memory-wise; the exact one decides
+SHORTLIST = 48  # candidates per round of exact estimates
+MAX_EXACT = 480  # exact estimates before giving up on finding top_k that fit
+REFINE_BUDGET_S = 6.0
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    config: ParallelConfig
+    estimate: Estimate
+    stages: tuple[tuple[str, ...], ...] = ()
+    layer_recompute: tuple[tuple[str, Recompute], ...] = ()
+    row: int = -1  # row in the Space
+
+
+def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, cost_model: Any = None) -> tuple[Plan, ...]:
+    """The top_k fitting plans, fastest first; ValueError (with the overflow and the remedies) if none fits."""
+    cost = cost_model or importlib.import_module("autoplan.cost")
+    with _status(options.progress) as status:
+        status(f"enumerating configurations for {cluster.num_devices} devices")
+        space = enumerate_space(graph, cluster, options)
+        if not len(space):
+            raise ValueError(_empty_space_message(graph, cluster, options))
+        status(f"quick estimates of {len(space):,} candidates")
+        quick = quick_estimate(graph, cluster, space, options.global_batch, cost)
+        found = _exact_rounds(graph, cluster, space, quick, options, cost, status)
+        if not found:
+            raise ValueError(nothing_fits_message(graph, cluster, space, quick, options, cost))
+        if options.use_ilp:
+            found = _refine_best(graph, cluster, space, quick, found, options, cost, status)
+    ranked = sorted(found, key=lambda c: c.estimate.step_time_s)[:options.top_k]
+    plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost) for i, cand in enumerate(ranked)]
+    return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row))
+                 for p, cand in zip(plans, ranked))
+
+
+def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, status) -> list[Candidate]:
+    """Exact estimates of the quickest plausible candidates, in rounds, until top_k fit."""
+    cap = cluster.device.mem_bytes
+    plausible = np.nonzero(quick.peak_mem_bytes <= cap * QUICK_MEM_SLACK)[0]
+    if len(plausible) > MAX_EXACT:
+        plausible = plausible[np.argpartition(quick.step_time_s[plausible], MAX_EXACT)[:MAX_EXACT]]
+    order = plausible[np.argsort(quick.step_time_s[plausible], kind="stable")]
+    found: list[Candidate] = []
+    done = 0
+    while done < min(len(order), MAX_EXACT):
+        batch = order[done:done + SHORTLIST]
+        status(f"exact estimates {done + 1}-{done + len(batch)} of {len(order):,} plausible candidates")
+        for row in batch.tolist():
+            config = space.config(row)
+            est = cost.estimate_config(graph, cluster, config, global_batch=options.global_batch)
+            if est.fits:
+                found.append(Candidate(config=config, estimate=est, row=row))
+        done += len(batch)
+        if len(found) >= options.top_k:
+            break
+    return found
+
+
+def _refine_best(graph, cluster, space: Space, quick: Quick, found: list[Candidate], options, cost,
+                 status) -> list[Candidate]:
+    """Per-layer recompute and the stage split of the best candidates, and of the fastest ones that
+    only fail for memory without recompute (a mix of recompute modes may fit them)."""
+    found = sorted(found, key=lambda c: c.estimate.step_time_s)
+    best_s = found[0].estimate.step_time_s
+    todo = [c.row for c in found[:options.top_k + 2]]
+    cap = cluster.device.mem_bytes
+    tight = np.nonzero((space.columns["recompute"] == RECOMPUTES.index(Recompute.NONE))
+                       & (quick.peak_mem_bytes > cap) & (quick.peak_mem_bytes <= 3 * cap)
+                       & (quick.step_time_s < best_s))[0]
+    todo += tight[np.argsort(quick.step_time_s[tight])][:options.top_k].tolist()
+    seen = {(c.config, c.stages, c.layer_recompute) for c in found}
+    start = time.perf_counter()
+    for n, row in enumerate(dict.fromkeys(todo)):
+        if time.perf_counter() - start > REFINE_BUDGET_S:
+            break
+        status(f"stage split and per-layer recompute (ILP) {n + 1}/{len(todo)}")
+        config = space.config(row)
+        layout = refine(graph, cluster, config, global_batch=options.global_batch, modes=options.recompute,
+                        cost_model=cost)
+        if layout is None:
+            continue
+        key = (layout.config, layout.stages, layout.layer_recompute)
+        if key in seen:
+            continue
+        seen.add(key)
+        est = cost.estimate_config(graph, cluster, layout.config, global_batch=options.global_batch,
+                                   stages=layout.stages, layer_recompute=dict(layout.layer_recompute))
+        if est.fits:
+            found.append(Candidate(config=layout.config, estimate=est, stages=layout.stages,
+                                   layer_recompute=layout.layer_recompute, row=row))
+    return _dedupe(found)
+
+
+def _dedupe(found: list[Candidate]) -> list[Candidate]:
+    """One entry per config: the fastest of its layouts."""
+    best: dict[ParallelConfig, Candidate] = {}
+    for c in found:
+        key = replace(c.config, recompute=Recompute.NONE) if c.layer_recompute else c.config
+        if key not in best or c.estimate.step_time_s < best[key].estimate.step_time_s:
+            best[key] = c
+    return list(best.values())
+
+
+def _to_plan(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, cand: Candidate, *, rank: int,
+             cost: Any) -> Plan:
+    stages = cand.stages or tuple(cost.balanced_stages(graph, cand.config.pp * cand.config.virtual_stages))
+    return Plan(config=cand.config, estimate=cand.estimate, model_name=graph.model_name, cluster_name=cluster.name,
+                num_devices=cluster.num_devices, global_batch=options.global_batch, seq_len=graph.seq_len,
+                stages=tuple(Stage(index=i, layer_names=tuple(s)) for i, s in enumerate(stages)),
+                layer_recompute=cand.layer_recompute, rank=rank)
+
+
+def _empty_space_message(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions) -> str:
+    n = cluster.num_devices
+    return (f"no parallel configuration of {n} devices divides global batch {options.global_batch} "
+            f"(dp*ep replicas must divide it; pp <= {len(graph.blocks)} blocks; tp must divide a node of "
+            f"{cluster.devices_per_node} and the heads; cp must divide seq_len {graph.seq_len}): use a global batch "
+            f"that is a multiple of a divisor of {n}, or relax the fixed degrees")
+
+
+@contextlib.contextmanager
+def _status(enabled: bool) -> Iterator[Any]:
+    """A rich status line on stderr while searching (when enabled); yields a function to update it."""
+    if not enabled:
+        yield lambda message: None
+        return
+    from rich.console import Console
+
+    with Console(stderr=True).status("autoplan: searching") as live:
+        yield lambda message: live.update(f"autoplan: {message}")
