@@ -24,6 +24,9 @@ class DeviceSpec:
     attention_efficiency: float  # fused attention kernel, fraction of peak
     mem_bw_efficiency: float  # fraction of mem_bw reached by elementwise kernels (STREAM-like)
     runtime_reserve_bytes: int  # context, allocator fragmentation, NCCL buffers: not available to training
+    # host time to issue one framework op (Python + dispatcher + kernel launch); a layer whose ops take
+    # longer to issue than to run leaves the device idle. 0 = never host-bound (added by the cost model)
+    op_overhead_s: float = 0.0
 
     def peak(self, dtype: str = "bf16") -> float:
         table = dict(self.peak_flops)

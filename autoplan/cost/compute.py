@@ -105,8 +105,9 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
     - MLP activation: n_mlp * f elements (GELU: read f, write f; SwiGLU: read 2f, write f), split
       over tp;
     - MoE: permute + unpermute copies of top_k * h per token (read and write);
-    - unfused attention scores (when materialised): softmax read+write a s, dropout read+write a s
-      plus a 1-byte mask, per token, split over tp."""
+    - unfused attention scores (when materialised), a s per token split over tp: the Q K^T batched
+      matmul writes them, the fused scale-mask-softmax reads and writes them, dropout reads and writes
+      them plus a 1-byte mask, the scores x V matmul reads them: 6 accesses + 1 byte."""
     t = config.tp
     h_split = t if config.sp else 1
     elements = (10.0 * shape.h / h_split + shape.n_mlp * shape.f / t)
@@ -116,7 +117,7 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
     total = tokens * (elements * dtype_bytes + mask_bytes)
     scores = 0.0
     if scores_materialised:
-        scores = tokens * shape.a * seq_len / t * (4.0 * dtype_bytes + 1.0)
+        scores = tokens * shape.a * seq_len / t * (6.0 * dtype_bytes + 1.0)
     return total + scores, scores
 
 
@@ -135,7 +136,12 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     the weight-gradient part equal to the forward matmul time; elementwise backward = 1.5 x the forward
     traffic (it reads the output gradient and the saved input and writes one gradient: 3 accesses for
     the forward's 2). Recompute: full re-runs the block's forward; selective re-runs the attention core
-    and its score kernels (Korthikanti et al. 2022, section 5)."""
+    and its score kernels (Korthikanti et al. 2022, section 5).
+
+    Host-bound floor: kernels are issued asynchronously, so a phase takes max(device time, host time)
+    with host time = the layer's forward op count (Layer.num_nodes) x device.op_overhead_s, twice that
+    for the backward (about two ops per forward op: input and weight gradients), once more for a
+    fully recomputed forward. Small layers at small microbatches are bound by it."""
     t = config.tp
     tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
     total_mm = layer.fwd_matmul_flops * scale / t
@@ -171,7 +177,10 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         rec = fwd
     else:
         rec = attention_fwd
-    return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=mm_s, recompute_s=rec, attention_fwd_s=attention_fwd)
+    host = getattr(layer, "num_nodes", 0) * device.op_overhead_s
+    return ComputeTimes(fwd_s=max(fwd, host), bwd_s=max(bwd, 2.0 * host), bwd_weight_s=mm_s,
+                        recompute_s=max(rec, host) if recompute is Recompute.FULL and rec else rec,
+                        attention_fwd_s=attention_fwd)
 
 
 def _fallback_bytes(layer: Layer, dtype_bytes: int) -> float:
