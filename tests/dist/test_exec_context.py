@@ -1,0 +1,121 @@
+"""Context parallelism on gloo against the single-process model: cp2 (and cp4) with causal attention on
+tiny-gpt (learned positions) and tiny-llama (RoPE, grouped-query attention) over several SGD steps, and cp2
+x ep2 on tiny-moe under FSDP2 (expert gradients averaged over cp, dense ones over ep*cp)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo  # noqa: F401  (DTensor imports it on first use: ~5 s per forked rank unless done here)
+import torch.distributed as dist
+import torch.nn.functional as F
+from harness import run_ranks
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+from autoplan.execute.context import ContextParallelCore, apply_context_parallel
+from autoplan.execute.experts import apply_experts, expert_parallel_modules
+from autoplan.models import preset
+
+pytestmark = pytest.mark.dist
+
+SEED, BATCH, SEQ, STEPS, LR = 0, 4, 32, 3, 0.5
+
+
+def _batch(step: int) -> torch.Tensor:
+    return torch.randint(0, 128, (BATCH, SEQ + 1), generator=torch.Generator().manual_seed(SEED * 1000 + step))
+
+
+def _train(model: torch.nn.Module, *, replica: int = 0, num_replicas: int = 1, cp_rank: int = 0, cp: int = 1,
+           grad_mesh: DeviceMesh | None = None) -> list[float]:
+    """SGD steps; rank (replica, cp_rank) takes its batch rows and its contiguous sequence chunk.
+    grad_mesh: average plain-tensor gradients over it by hand (no data-parallel wrapper)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses = []
+    for step in range(STEPS):
+        tokens = _batch(step).chunk(num_replicas)[replica]
+        inputs, targets = tokens[:, :-1].chunk(cp, dim=1)[cp_rank], tokens[:, 1:].chunk(cp, dim=1)[cp_rank]
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        loss.backward()
+        if grad_mesh is not None:
+            for param in model.parameters():
+                dist.all_reduce(param.grad, op=dist.ReduceOp.AVG, group=grad_mesh.get_group())
+        optimizer.step()
+        optimizer.zero_grad()
+        loss = loss.detach()
+        if num_replicas * cp > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses
+
+
+def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(SEED)
+    model = preset(name)
+    losses = _train(model)
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _cp_run(rank: int, world_size: int, name: str) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+    torch.manual_seed(SEED)
+    model = preset(name)
+    apply_context_parallel(model, cp_mesh=mesh["cp"])
+    assert all(isinstance(block.attn.core, ContextParallelCore) for block in model.layers.values())
+    losses = _train(model, cp_rank=rank, cp=world_size, grad_mesh=mesh["cp"])
+    offsets = [model.embed.position_offset] + [block.attn.position_offset for block in model.layers.values()]
+    return losses, {n: p.detach() for n, p in model.named_parameters()}, offsets
+
+
+def _check(results: list, ref_losses: list[float], ref_params: dict[str, torch.Tensor]) -> None:
+    for losses, params, *_ in results:
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        assert params.keys() == ref_params.keys()
+        for name, param in params.items():
+            torch.testing.assert_close(param, ref_params[name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name,cp", [("tiny-gpt", 2), ("tiny-llama", 2), ("tiny-llama", 4)])
+def test_cp_training_equals_reference(name: str, cp: int) -> None:
+    ref_losses, ref_params = _reference(name)
+    results = run_ranks(_cp_run, cp, name)
+    _check(results, ref_losses, ref_params)
+    for rank, (*_, offsets) in enumerate(results):  # positions numbered from this rank's first token
+        assert set(offsets) == {rank * SEQ // cp}
+
+
+def _cp_ep_fsdp(rank: int, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "cp"))
+    torch.manual_seed(SEED)
+    model = preset("tiny-moe")
+    apply_experts(model, ep_mesh=mesh["ep"])
+    apply_context_parallel(model, cp_mesh=mesh["cp"])
+    dense_mesh = mesh["ep", "cp"]._flatten("ep_cp")
+    for module in expert_parallel_modules(model):  # experts: replicated over cp (sharded over ep)
+        fully_shard(module, mesh=mesh["cp"])
+    for block in model.layers.values():
+        fully_shard(block, mesh=dense_mesh)
+    fully_shard(model, mesh=dense_mesh)
+    losses = _train(model, replica=mesh["ep"].get_local_rank(), num_replicas=2,
+                    cp_rank=mesh["cp"].get_local_rank(), cp=2)
+    full = {n: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+            for n, p in model.named_parameters()}
+    return losses, full
+
+
+def test_cp2_ep2_fsdp_training_equals_reference() -> None:
+    _check(run_ranks(_cp_ep_fsdp, 4), *_reference("tiny-moe"))
+
+
+def test_cp_rejects_a_second_application() -> None:
+    def twice(rank: int, world_size: int) -> str:
+        mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
+        model = preset("tiny-gpt")
+        apply_context_parallel(model, cp_mesh=mesh["cp"])
+        with pytest.raises(ValueError, match="already ContextParallelCore"):
+            apply_context_parallel(model, cp_mesh=mesh["cp"])
+        return "raised"
+
+    assert run_ranks(twice, 2) == ["raised", "raised"]
