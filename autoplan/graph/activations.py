@@ -27,18 +27,25 @@ from autoplan.graph.layers import Taint
 Saved = dict[str, list[tuple[Any, int, bool]]]
 
 
-def saved_for_backward(ep: ExportedProgram, taint: Taint, seq_len: int) -> Saved:
+def saved_for_backward(ep: ExportedProgram, taint: Taint, seq_len: int, microbatch: int) -> Saved:
     """Node name -> [(storage key, bytes, is attention scores)] of the tensors it saves for backward."""
     try:
-        return _replay(ep, taint, seq_len)
+        return _replay(ep, taint, seq_len, microbatch)
     except Exception:  # noqa: BLE001 - an op without a fake kernel: fall back to the static rule
-        return _static_estimate(ep.graph, taint, seq_len)
+        return _static_estimate(ep.graph, taint, seq_len, microbatch)
 
 
-def _replay(ep: ExportedProgram, taint: Taint, seq_len: int) -> Saved:
+def is_scores(shape: tuple[int, ...], seq_len: int, microbatch: int) -> bool:
+    """[b, heads, s, s] or [b heads, s, s] with s >= seq_len (a class token may add one)."""
+    if len(shape) < 3 or shape[-1] != shape[-2] or shape[-1] < seq_len:
+        return False
+    return len(shape) >= 4 or shape[0] > microbatch
+
+
+def _replay(ep: ExportedProgram, taint: Taint, seq_len: int, microbatch: int) -> Saved:
     trainable = {s.arg.name for s in ep.graph_signature.input_specs if s.kind is InputKind.PARAMETER}
     mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
-    recorder = _Recorder(ep.graph_module, taint, seq_len)
+    recorder = _Recorder(ep.graph_module, taint, seq_len, microbatch)
     with mode:
         inputs = [_fake_input(n, n.name in trainable) for n in ep.graph.nodes if n.op == "placeholder"]
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
@@ -57,9 +64,9 @@ def _fake_input(node: fx.Node, trainable: bool) -> Any:
 
 
 class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, taint: Taint, seq_len: int) -> None:
+    def __init__(self, gm: fx.GraphModule, taint: Taint, seq_len: int, microbatch: int) -> None:
         super().__init__(gm)
-        self.taint, self.seq_len = taint, seq_len
+        self.taint, self.seq_len, self.microbatch = taint, seq_len, microbatch
         self.saved: Saved = {}
         self.current: fx.Node | None = None
         self.owner: dict[int, fx.Node] = {}  # storage id -> node that produced it
@@ -75,7 +82,7 @@ class _Recorder(fx.Interpreter):
             q, k, v = (self.env[a] for a in n.args[:3])
             self.current = None
             for t in (q, k, v, *ops.tensors(out)):
-                self._record(n, t)
+                self._record(n, t, scores_possible=False)
             lse = math.prod(q.shape[:-1]) * 4  # fp32 log-sum-exp per query row
             self.saved.setdefault(n.name, []).append((("lse", n.name), lse, False))
         return out
@@ -86,18 +93,18 @@ class _Recorder(fx.Interpreter):
             self._record(node, t)
         return t
 
-    def _record(self, node: fx.Node, t: torch.Tensor) -> None:
+    def _record(self, node: fx.Node, t: torch.Tensor, scores_possible: bool = True) -> None:
         storage = t.untyped_storage()._cdata
         producer = self.owner.get(storage)
         if producer is not None and producer not in self.taint.activation:
             return  # a parameter, buffer or input-independent constant
         self.keep.append(t)
-        scores = t.dim() >= 3 and tuple(t.shape[-2:]) == (self.seq_len, self.seq_len)
+        scores = scores_possible and is_scores(tuple(t.shape), self.seq_len, self.microbatch)
         key = (storage, t.storage_offset(), t.numel())
         self.saved.setdefault(node.name, []).append((key, t.numel() * t.element_size(), scores))
 
 
-def _static_estimate(graph: fx.Graph, taint: Taint, seq_len: int) -> Saved:
+def _static_estimate(graph: fx.Graph, taint: Taint, seq_len: int, microbatch: int) -> Saved:
     """Fallback when the replay fails: the activation inputs of every matmul, attention, norm and
     nonlinearity (what their backward formulas read)."""
     saved: Saved = {}
@@ -110,6 +117,6 @@ def _static_estimate(graph: fx.Graph, taint: Taint, seq_len: int) -> Saved:
             val = arg.meta.get("val")
             if arg in taint.activation and isinstance(val, torch.Tensor) and val.is_floating_point():
                 size = math.prod(int(d) for d in val.shape) * val.element_size()
-                scores = val.dim() >= 3 and tuple(int(d) for d in val.shape[-2:]) == (seq_len, seq_len)
+                scores = is_scores(tuple(int(d) for d in val.shape), seq_len, microbatch)
                 saved.setdefault(node.name, []).append((arg.name, size, scores))
     return saved

@@ -133,7 +133,7 @@ def _representatives(model: nn.Module, units: layers.Units) -> dict[str, str]:
     or does not apply (a parameterless block)."""
     modules = dict(model.named_modules())
     container = modules[units.container]
-    if len(units.blocks) < 3 or not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+    if len(units.blocks) < 2 or not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         return {}
     if not all(layers._has_params(modules[b]) for b in units.blocks):
         return {}
@@ -184,7 +184,7 @@ def _measure(ep: ExportedProgram, model: nn.Module, units: layers.Units, microba
                                                       InputKind.CONSTANT_TENSOR)}
     taint = layers.taint(graph, user, params)
     groups = layers.group_nodes(graph, units, model)
-    saved = activations.saved_for_backward(ep, taint, seq_len)
+    saved = activations.saved_for_backward(ep, taint, seq_len, microbatch)
     owner = _param_owners(ep, model, groups)
     hint = layers.Hint()
     out = []

@@ -212,6 +212,7 @@ def measure(nodes: list[fx.Node], taint_: Taint, hint: Hint, expert_paths: tuple
             m.attention += ops.attention_flops(args, hint)
         elif kind == "matmul":
             flops = ops.matmul_flops(name, args, outs[0], hint)
+            m.elementwise += ops.bias_flops(name, args, outs[0], hint)
             if any(p == node_path(node) or node_path(node).startswith(p + ".") for p in expert_paths):
                 m.expert_matmul += flops
             elif name in {"convolution", "_convolution", "conv1d", "conv2d", "conv3d"} or any(

@@ -3,7 +3,7 @@
 Matmuls count 2 m n k (Narayanan et al., SC'21, appendix). Elementwise ops count one FLOP per output
 element, except: reductions one per input element; softmax 5 (max, sub, exp, sum, div); layer_norm 5
 and rms_norm 4 per element; gelu 8 (tanh form); silu / sigmoid / tanh 4. Views, copies, casts,
-indexing and creation ops count no FLOPs. Bytes moved: inputs read plus outputs written, views free.
+indexing and creation ops count no FLOPs; a fused bias add one per output element. Bytes moved: inputs read plus outputs written, views free.
 """
 
 from __future__ import annotations
@@ -128,6 +128,15 @@ def _einsum_contracted(args: tuple, hint: Callable[[Any], int]) -> int:
         for letter, dim in zip(explicit, dims):
             sizes[letter] = hint(dim)
     return math.prod(size for letter, size in sizes.items() if letter not in rhs)
+
+
+def bias_flops(name: str, args: tuple, out: torch.Tensor, hint: Callable[[Any], int]) -> float:
+    """The bias add fused into linear / addmm / convolution: one FLOP per output element."""
+    if name in {"addmm", "baddbmm", "addbmm"}:
+        return float(numel(out, hint))
+    if name in {"linear", "convolution", "_convolution", "conv1d", "conv2d", "conv3d"}:
+        return float(numel(out, hint)) if len(args) > 2 and args[2] is not None else 0.0
+    return 0.0
 
 
 def attention_flops(args: tuple, hint: Callable[[Any], int]) -> float:
