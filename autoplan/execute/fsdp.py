@@ -25,16 +25,16 @@ def apply_data_parallel(model: Transformer, *, zero: int, dense_mesh: DeviceMesh
                         ep: int) -> None:
     """Wrap `model` (a whole model or a pipeline stage) in place; no-op when nothing is data parallel.
 
-    Expert gradients arrive summed over the ep group (the all-to-all backward), so their average over
-    dp*cp is divided by dp*ep*cp instead: then it equals the single-device gradient of the mean loss."""
+    Expert gradients arrive summed over the ep group (the all-to-all backward); ExpertParallel scales
+    them by 1/ep in its backward (execute/experts.py), so the plain dp*cp average here completes the
+    1/(dp*ep*cp) mean of the single-device gradient."""
     if dense_mesh.size() == 1 and ep == 1:
         return
     wrap = _wrapper(zero)
     for block in model.layers.values():
         mlp = _inner(block).mlp
         if isinstance(mlp, MoE) and ep > 1:
-            experts = wrap(mlp.experts, mesh=expert_mesh)
-            experts.set_gradient_divide_factor(float(dense_mesh.size()))
+            wrap(mlp.experts, mesh=expert_mesh)
         wrap(block, mesh=dense_mesh)
     wrap(model, mesh=dense_mesh)
 

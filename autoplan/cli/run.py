@@ -1,0 +1,78 @@
+"""`autoplan run`: train a model under a plan (a plan JSON, or the configuration flags of `autoplan
+estimate`) on torchrun-launched ranks, and write the run report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from autoplan.cli.plan import add_config_flags, config_from_args
+
+_LAUNCHER_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "master_addr", "master_port")
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser("run", help="train under a plan with torch.distributed (torchrun)")
+    p.add_argument("--plan", metavar="FILE", help="plan JSON from `autoplan plan --json` (or use the config flags)")
+    p.add_argument("--model", required=True, help="preset name (see `autoplan models`)")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps")
+    p.add_argument("--nproc-per-node", dest="nproc_per_node", type=int, default=None,
+                   help="ranks on this node (default: the plan's device count)")
+    p.add_argument("--seed", type=int, default=0, help="same seed, same weights and data under every plan")
+    p.add_argument("--report", metavar="FILE", help="write the run report (JSON) here")
+    p.add_argument("--global-batch", dest="global_batch", type=int, default=None)
+    p.add_argument("--seq-len", dest="seq_len", type=int, default=None)
+    p.add_argument("--save-every", dest="save_every", type=int, default=0, metavar="K",
+                   help="checkpoint every K steps (needs --checkpoint-dir)")
+    p.add_argument("--checkpoint-dir", dest="checkpoint_dir", metavar="DIR")
+    p.add_argument("--resume", metavar="DIR", help="start from the newest checkpoint in DIR")
+    p.add_argument("--timeout-s", dest="timeout_s", type=float, default=300.0,
+                   help="process-group timeout: a hung rank ends the job after this (default 300)")
+    add_config_flags(p)
+    nodes = p.add_argument_group("multi-node (passed to torchrun)")
+    for name in _LAUNCHER_FLAGS:
+        nodes.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
+    p.set_defaults(func=cmd_run)
+
+
+def _launcher_args(args: argparse.Namespace) -> list[str]:
+    out = []
+    for name in _LAUNCHER_FLAGS:
+        value = getattr(args, name)
+        if value is not None:
+            out.append(f"--{name.replace('_', '-')}={value}")
+    return out
+
+
+def _config_given(args: argparse.Namespace) -> bool:
+    names = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute")
+    return any(getattr(args, n, None) is not None for n in names)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from autoplan.execute.launch import RunFailed, execute
+
+    if args.plan and _config_given(args):
+        raise ValueError("give either --plan or configuration flags (--tp, --pp, ...), not both")
+    if args.plan:
+        plan: Any = args.plan
+    else:
+        nnodes = int(args.nnodes or 1)
+        devices = args.nproc_per_node * nnodes if args.nproc_per_node else None
+        plan = config_from_args(args, devices)
+        if not args.global_batch or not args.seq_len:
+            raise ValueError("without --plan, give --global-batch and --seq-len")
+    try:
+        report = execute(plan, args.model, steps=args.steps, nproc_per_node=args.nproc_per_node, seed=args.seed,
+                         global_batch=args.global_batch, seq_len=args.seq_len, report=args.report,
+                         save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
+                         timeout_s=args.timeout_s, launcher_args=_launcher_args(args))
+    except RunFailed as exc:
+        print(f"autoplan run: FAILED: {exc}", file=sys.stderr)
+        return 1
+    summary = {k: report.get(k) for k in ("losses", "step_time_s", "predicted_step_time_s")}
+    print(json.dumps(summary))
+    return 0

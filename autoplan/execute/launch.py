@@ -1,0 +1,162 @@
+"""Launch a plan on ranks with torchrun, and say clearly which rank failed when one does.
+
+`execute(plan_or_config, model, steps=...)` (the Python API, also `autoplan.execute`) writes the plan
+JSON, runs `python -m torch.distributed.run --standalone --nproc-per-node K -m autoplan.execute.worker`
+and returns the run report. A failing job raises RunFailed naming the first rank that failed on its
+own (its traceback), else a rank killed by a signal, else the first communication error.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Mapping, Sequence, TextIO
+
+from autoplan.plan.types import ParallelConfig, Plan
+
+# messages of errors a rank gets because another rank died or hung (not its own failure)
+_PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "imed out",
+                       "Socket Timeout", "NCCL communicator was aborted", "DistNetworkError", "DistStoreError")
+_TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+class RunFailed(RuntimeError):
+    """The job ended with a failing rank; `rank` is the one to blame (None when unknown)."""
+
+    def __init__(self, message: str, *, rank: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+def read_plan(path: str | Path, *, global_batch: int | None = None,
+              seq_len: int | None = None) -> tuple[Plan | ParallelConfig, int, int]:
+    """A saved Plan (autoplan.plan.io) or {"config": {...}, "global_batch": B, "seq_len": S}; explicit
+    global_batch / seq_len override the file's."""
+    from autoplan.plan.io import plan_from_dict
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"plan {path} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict) or "config" not in data:
+        raise ValueError(f"plan {path} has no 'config' object: write it with autoplan.plan.io.save_plan")
+    plan: Plan | ParallelConfig = plan_from_dict(data) if "schema_version" in data else \
+        ParallelConfig.from_dict(data["config"])
+    global_batch = global_batch or data.get("global_batch")
+    seq_len = seq_len or data.get("seq_len")
+    if not global_batch or not seq_len:
+        raise ValueError(f"plan {path} gives no global_batch / seq_len: pass --global-batch and --seq-len")
+    return plan, int(global_batch), int(seq_len)
+
+
+def write_plan(plan_or_config: Plan | ParallelConfig, path: str | Path, *, global_batch: int | None,
+               seq_len: int | None) -> None:
+    from autoplan.plan.io import plan_to_dict
+
+    if isinstance(plan_or_config, Plan):
+        data = plan_to_dict(plan_or_config)
+    else:
+        data = {"config": plan_or_config.to_dict()}
+    if global_batch:
+        data["global_batch"] = global_batch
+    if seq_len:
+        data["seq_len"] = seq_len
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def torchrun_command(worker_args: Sequence[str], *, nproc_per_node: int,
+                     launcher_args: Sequence[str] = ()) -> list[str]:
+    """torchrun (as `python -m torch.distributed.run`) around the worker; --standalone unless the
+    launcher arguments configure a multi-node rendezvous (--nnodes, --rdzv-endpoint, ...)."""
+    multi_node = any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in launcher_args)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *([] if multi_node else ["--standalone"]),
+           f"--nproc-per-node={nproc_per_node}", *launcher_args, "-m", "autoplan.execute.worker"]
+    return cmd + list(worker_args)
+
+
+def run_torchrun(cmd: Sequence[str], *, run_dir: str, env: Mapping[str, str] | None = None,
+                 out: TextIO | None = None) -> None:
+    """Run the launcher, echoing its output; on a non-zero exit raise RunFailed with the diagnosis."""
+    out = out or sys.stdout
+    tail: collections.deque[str] = collections.deque(maxlen=400)
+    with subprocess.Popen(list(cmd), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, **(env or {})}) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.write(line)
+            tail.append(line)
+        code = proc.wait()
+    if code != 0:
+        rank, message = diagnose(run_dir, "".join(tail))
+        raise RunFailed(message, rank=rank)
+
+
+def _is_peer_failure(error: Mapping[str, Any]) -> bool:
+    text = f"{error['type']}: {error['message']}"
+    return any(mark in text for mark in _PEER_FAILURE_MARKS)
+
+
+def diagnose(run_dir: str, launcher_output: str) -> tuple[int | None, str]:
+    """(rank to blame, message) from the ranks' error files and torchrun's failure summary."""
+    errors = sorted((json.loads(Path(p).read_text()) for p in glob.glob(os.path.join(run_dir, "error-*.json"))),
+                    key=lambda e: e["time"])
+    own = [e for e in errors if not _is_peer_failure(e)]
+    if own:
+        e = own[0]
+        return e["rank"], f"rank {e['rank']} failed: {e['type']}: {e['message']}\n{e['traceback']}"
+    for rank, code in ((int(r), int(c)) for r, c in _TORCHRUN_FAILURE.findall(launcher_output)):
+        if code < 0 and -code != signal.SIGTERM:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            return rank, (f"rank {rank} died: killed by signal {name} (the process had no chance to report "
+                          f"a Python traceback); the other ranks were stopped")
+    if errors:
+        e = errors[0]
+        silent = _silent_ranks(run_dir, errors)
+        hint = f"; ranks {silent} reported nothing (hung or killed?): see {run_dir}/stack-<rank>.txt" if silent else ""
+        return e["rank"], f"rank {e['rank']} failed: {e['type']}: {e['message']}{hint}\n{e['traceback']}"
+    return None, "the job failed without any rank reporting an error; the launcher said:\n" + \
+        "".join(launcher_output.splitlines(keepends=True)[-40:])
+
+
+def _silent_ranks(run_dir: str, errors: list[Mapping[str, Any]]) -> list[int]:
+    started = {int(Path(p).stem.split("-")[1]) for p in glob.glob(os.path.join(run_dir, "stack-*.txt"))}
+    return sorted(started - {e["rank"] for e in errors})
+
+
+def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: str, *, steps: int,
+            nproc_per_node: int | None = None, seed: int = 0, global_batch: int | None = None,
+            seq_len: int | None = None, report: str | Path | None = None, save_every: int = 0,
+            checkpoint_dir: str | None = None, resume: str | None = None, timeout_s: float = 300.0,
+            launcher_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
+            out: TextIO | None = None) -> dict[str, Any]:
+    """Train `model` (a preset name) under a plan, config or plan JSON path on torchrun-launched ranks;
+    returns the run report (also written to `report` when given). Raises RunFailed if a rank fails."""
+    if not isinstance(model, str):
+        raise ValueError(f"model must be a preset name (see `autoplan models`), got {type(model).__name__}")
+    with tempfile.TemporaryDirectory(prefix="autoplan-run-") as run_dir:
+        plan_path = os.path.join(run_dir, "plan.json")
+        if isinstance(plan_or_config, (str, Path)):
+            plan, global_batch, seq_len = read_plan(plan_or_config, global_batch=global_batch, seq_len=seq_len)
+        else:
+            plan = plan_or_config
+        write_plan(plan, plan_path, global_batch=global_batch, seq_len=seq_len)
+        read_plan(plan_path)  # fail here, not on every rank, when batch or length are missing
+        config = plan.config if isinstance(plan, Plan) else plan
+        report_path = str(report) if report else os.path.join(run_dir, "report.json")
+        args = ["--plan", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
+                "--report", report_path, "--run-dir", run_dir, "--timeout-s", str(timeout_s),
+                "--save-every", str(save_every)]
+        args += ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
+        args += ["--resume", resume] if resume else []
+        cmd = torchrun_command(args, nproc_per_node=nproc_per_node or config.num_devices,
+                               launcher_args=launcher_args)
+        run_torchrun(cmd, run_dir=run_dir, env=env, out=out)
+        return json.loads(Path(report_path).read_text())

@@ -1,0 +1,46 @@
+"""Each parallel technique trains exactly like the single-process reference: losses of 3 AdamW steps
+and the final parameters, on tiny models (h 64, 4 layers, batch 8, seq 16)."""
+
+from __future__ import annotations
+
+import pytest
+from harness import assert_matches_reference, reference, run_plan
+
+from autoplan.plan.types import ParallelConfig
+
+STEPS = 3
+
+
+def check(model: str, config: ParallelConfig) -> None:
+    assert_matches_reference(run_plan(model, config, steps=STEPS), reference(model, steps=STEPS))
+
+
+def test_tp2_with_sequence_parallel_gpt() -> None:
+    # gpt: vocab-parallel embedding plus replicated learned positions, then the sequence split
+    check("tiny-gpt", ParallelConfig(tp=2, sp=True))
+
+
+def test_tp2_with_sequence_parallel_llama_gqa_selective_recompute() -> None:
+    # 8 query / 4 kv heads -> 4 / 2 per rank; RoPE; SwiGLU w1/w3 column, w2 row
+    check("tiny-llama", ParallelConfig(tp=2, sp=True, recompute="selective"))
+
+
+def test_tp2_moe_attention_only() -> None:
+    # MoE blocks: TP on attention; router, experts and shared experts on the gathered sequence
+    check("tiny-moe", ParallelConfig(tp=2, sp=True))
+
+
+@pytest.mark.parametrize("zero", [0, 2, 3], ids=["replicate", "zero2", "fsdp-zero3"])
+def test_dp2(zero: int) -> None:
+    check("tiny-gpt", ParallelConfig(dp=2, zero=zero, recompute="full" if zero == 2 else "none"))
+
+
+@pytest.mark.parametrize("schedule,virtual_stages", [
+    ("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1), ("zb", 2),
+], ids=["gpipe", "1f1b", "interleaved-v2", "zb-looped", "zbv"])
+def test_pp2_schedules(schedule: str, virtual_stages: int) -> None:
+    check("tiny-gpt", ParallelConfig(pp=2, schedule=schedule, virtual_stages=virtual_stages, microbatch=2))
+
+
+def test_3d_pp2_dp2_tp2_on_8_ranks() -> None:
+    check("tiny-gpt", ParallelConfig(pp=2, dp=2, tp=2, sp=True, zero=3, schedule="1f1b"))
