@@ -46,7 +46,7 @@ def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: Cluste
         notes.append(f"tp={c.tp} splits every layer over {c.tp} devices of one node, so its per-layer "
                      f"collectives stay on {link} (tensor-parallel communication "
                      f"{est.breakdown.tp_comm / est.step_time_s:.0%} of the step)"
-                     + (" ; sequence parallelism divides the remaining activations by tp too." if c.sp else "."))
+                     + ("; sequence parallelism divides the remaining activations by tp too." if c.sp else "."))
     else:
         notes.append("tp=1: layers run whole on each device, with no per-layer communication.")
     blocks = len(graph.blocks)
