@@ -11,6 +11,14 @@ from typing import Sequence
 from autoplan.plan.types import Schedule
 
 
+def _schedule(value: Schedule | str) -> Schedule:
+    try:
+        return Schedule(str(value).lower())
+    except ValueError:
+        known = ", ".join(repr(s.value) for s in Schedule)
+        raise ValueError(f"unknown pipeline schedule {value!r}: choose one of {known}") from None
+
+
 def _check(p: int, v: int, m: int) -> None:
     for name, value in (("p", p), ("v", v), ("m", m)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -26,7 +34,7 @@ def bubble_fraction(schedule: Schedule, p: int, v: int, m: int, *, weight_fracti
     (p - 1)(F + B - 2W), one third of 1F1B's at F = B_input = W; ZB-V (v = 2) leaves
     (p - 1)(F + B - 3W) / 2, zero at F = B_input = W."""
     _check(p, v, m)
-    schedule = Schedule(schedule)
+    schedule = _schedule(schedule)
     return max(_bubble_term(schedule, v, 1.0, weight_fraction)
                * (p - 1) / m / _chunks(schedule, v), 0.0) if p > 1 else 0.0
 
@@ -54,7 +62,7 @@ def pipeline_time_s(schedule: Schedule | str, p: int, v: int, m: int, fwd_s: Seq
     interleaved and zero bubble, 1 otherwise; for heterogeneous stages the fill and drain pass
     through every rank once while the steady state runs at the slowest rank."""
     _check(p, v, m)
-    schedule = Schedule(schedule)
+    schedule = _schedule(schedule)
     fwd = _per_rank(fwd_s, p, v, "fwd_s")
     bwd = _per_rank(bwd_s, p, v, "bwd_s")
     weight = _per_rank(bwd_weight_s, p, v, "bwd_weight_s") if bwd_weight_s is not None else [0.0] * p
@@ -85,7 +93,7 @@ def in_flight_microbatches(schedule: Schedule | str, p: int, v: int, m: int, ran
     flight, over v chunks; on rank 0 that is p (1 + (p - 1)/(p v)) (Narayanan et al. 2021, section
     2.2.2). Zero bubble: as 1F1B (Qi et al. 2024: ZB-H1 and ZB-V keep 1F1B's peak memory)."""
     _check(p, v, m)
-    schedule = Schedule(schedule)
+    schedule = _schedule(schedule)
     if not 0 <= rank < p:
         raise ValueError(f"pipeline rank {rank} out of range for p={p}")
     if schedule is Schedule.GPIPE:

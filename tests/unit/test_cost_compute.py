@@ -1,0 +1,89 @@
+"""Compute-time formulas of autoplan.cost against hand computations (ideal device: every efficiency 1)."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from autoplan.cost import estimate_layer, matmul_efficiency
+from autoplan.graph.types import Layer, LayerRole
+from autoplan.plan.types import ParallelConfig, Recompute
+from test_cost_graph_helper import a100_cluster, gpt_graph
+
+COST_DIR = Path(__file__).resolve().parents[2] / "autoplan" / "cost"
+
+
+def _plain(mm: float, attn: float, **kw) -> Layer:
+    """An unrecognised layer with only matmul and attention FLOPs (no elementwise traffic)."""
+    return Layer(name="x", kind="x", role=LayerRole.BLOCK, index=0, fwd_matmul_flops=mm, fwd_attention_flops=attn,
+                 fwd_elementwise_flops=0.0, num_params=0, param_bytes=0, activation_bytes=1000, **kw)
+
+
+def test_cost_package_imports_no_torch() -> None:
+    for path in COST_DIR.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "torch" or n.startswith("torch.") for n in names), path.name
+
+
+def test_matmul_efficiency_is_half_at_half_size() -> None:
+    device = a100_cluster().device
+    assert math.isclose(matmul_efficiency(device, device.matmul_half_size_flops), device.matmul_efficiency / 2)
+    assert matmul_efficiency(device, 1e15) > 0.99 * device.matmul_efficiency
+
+
+def test_forward_and_backward_time_at_peak() -> None:
+    cluster = a100_cluster(ideal=True)
+    cost = estimate_layer(_plain(3.12e12, 1.56e12), cluster, ParallelConfig(), Recompute.NONE, seq_len=128)
+    assert math.isclose(cost.fwd_s, 0.015, rel_tol=1e-9)  # (3.12 + 1.56) TFLOP / 312 TFLOP/s
+    assert math.isclose(cost.bwd_s, 0.030, rel_tol=1e-9)
+    assert math.isclose(cost.bwd_weight_s, 0.010, rel_tol=1e-9)  # weight gradients: one matmul pass
+
+
+def test_microbatch_scales_linearly_and_tp_splits() -> None:
+    cluster = dataclasses.replace(a100_cluster(ideal=True), devices_per_node=2)
+    layer = _plain(3.12e12, 0.0)
+    one = estimate_layer(layer, cluster, ParallelConfig(microbatch=1), "none", seq_len=128, graph_microbatch=2)
+    assert math.isclose(one.fwd_s, 0.005, rel_tol=1e-9)
+    split = estimate_layer(layer, cluster, ParallelConfig(tp=2, microbatch=2), "none", seq_len=128,
+                           graph_microbatch=2)
+    assert math.isclose(split.fwd_s, 0.005, rel_tol=1e-9)
+
+
+def test_narrow_tp_matmuls_run_less_efficiently() -> None:
+    g = gpt_graph(h=1024, a=16, layers=1, seq=1024)
+    cluster = a100_cluster(1)
+    t1 = estimate_layer(g.blocks[0], cluster, ParallelConfig(tp=1, dp=8), "none", seq_len=1024)
+    t8 = estimate_layer(g.blocks[0], cluster, ParallelConfig(tp=8), "none", seq_len=1024)
+    assert t8.fwd_s > t1.fwd_s / 8 * 1.2  # 8x less work but slower per FLOP
+
+
+def test_recompute_modes() -> None:
+    g = gpt_graph(h=1024, a=16, layers=1, seq=1024)
+    cluster = a100_cluster(1)
+    cfg = ParallelConfig(dp=8)
+    none, sel, full = (estimate_layer(g.blocks[0], cluster, cfg, r, seq_len=1024) for r in Recompute)
+    assert none.recompute_s == 0.0
+    assert math.isclose(full.recompute_s, full.fwd_s)
+    attention_core = g.blocks[0].fwd_attention_flops / (312e12 * cluster.device.attention_efficiency)
+    assert attention_core < sel.recompute_s < full.recompute_s  # core + its score kernels, less than all
+
+
+def test_host_bound_floor() -> None:
+    cluster = a100_cluster(ideal=True)
+    slow_host = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, op_overhead_s=1e-3))
+    cost = estimate_layer(_plain(3.12e9, 0.0, num_nodes=10), slow_host, ParallelConfig(), "full", seq_len=8)
+    assert math.isclose(cost.fwd_s, 0.010)  # 10 ops x 1 ms > 10 us of device time
+    assert math.isclose(cost.bwd_s, 0.020)
+    assert math.isclose(cost.recompute_s, 0.010)
+
+
+def test_unknown_dtype_is_an_error() -> None:
+    cluster = dataclasses.replace(a100_cluster(), dtype="int3")
+    with pytest.raises(ValueError, match="int3"):
+        estimate_layer(_plain(1.0, 0.0), cluster, ParallelConfig(), "none", seq_len=8)
