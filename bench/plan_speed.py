@@ -10,8 +10,10 @@ import argparse
 import time
 
 JOBS = {
-    "175b": dict(model="gpt3-175b", cluster="dgx-a100-80gb", num_nodes=128, global_batch=1536, seq_len=2048),
-    "405b": dict(model="llama3-405b", cluster="dgx-h100-80gb", num_nodes=2048, global_batch=2048, seq_len=8192),
+    "175b": {"model": "gpt3-175b", "cluster": "dgx-a100-80gb", "num_nodes": 128, "global_batch": 1536,
+             "seq_len": 2048},
+    "405b": {"model": "llama3-405b", "cluster": "dgx-h100-80gb", "num_nodes": 2048, "global_batch": 2048,
+             "seq_len": 8192},
 }
 
 

@@ -5,7 +5,14 @@ from __future__ import annotations
 from autoplan.plan.explain import explain
 from autoplan.plan.io import SCHEMA_VERSION, load_plan, plan_from_json, plan_to_json, save_plan
 from autoplan.plan.types import (
-    Breakdown, Estimate, MemoryBreakdown, ParallelConfig, Plan, Recompute, Schedule, Stage,
+    Breakdown,
+    Estimate,
+    MemoryBreakdown,
+    ParallelConfig,
+    Plan,
+    Recompute,
+    Schedule,
+    Stage,
 )
 
 __all__ = [

@@ -28,12 +28,12 @@ def explain(plan: Plan) -> str:
     e = plan.estimate
     head = f"Plan #{plan.rank}" if plan.rank else "Plan"
     lines = [
-        f"{head} for {plan.model_name} on {plan.num_devices} devices ({plan.cluster_name}), global batch "
-        f"{plan.global_batch} x {plan.seq_len} tokens:",
+        (f"{head} for {plan.model_name} on {plan.num_devices} devices ({plan.cluster_name}), global batch "
+         f"{plan.global_batch} x {plan.seq_len} tokens:"),
         f"  {describe_config(plan)}",
-        f"  step {e.step_time_s:.3f} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, "
-        f"{e.peak_mem_bytes / _GIB:.1f} of {e.mem_capacity_bytes / _GIB:.0f} GiB per device"
-        + ("" if e.fits else " (DOES NOT FIT)"),
+        (f"  step {e.step_time_s:.3f} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, "
+         f"{e.peak_mem_bytes / _GIB:.1f} of {e.mem_capacity_bytes / _GIB:.0f} GiB per device"
+         + ("" if e.fits else " (DOES NOT FIT)")),
         "  time: " + ", ".join(f"{_CAUSES.get(k, k)} {v:.3g} s" for k, v in e.breakdown.items() if v > 0),
         "  memory: " + ", ".join(f"{k} {v / _GIB:.1f} GiB" for k, v in e.memory.to_dict().items() if v > 0),
     ]

@@ -3,7 +3,7 @@ refine), the ranked plans (search) and the public API (api)."""
 
 from __future__ import annotations
 
-from autoplan.search.space import SearchOptions
 from autoplan.search.search import search
+from autoplan.search.space import SearchOptions
 
 __all__ = ["SearchOptions", "search"]

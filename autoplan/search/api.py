@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import weakref
+from collections.abc import Mapping
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
@@ -21,7 +22,7 @@ from autoplan.search.space import SearchOptions
 
 _CLUSTER_OPTIONS = ("num_nodes", "devices_per_node")
 _SEARCH_OPTIONS = tuple(f.name for f in dataclasses.fields(SearchOptions) if f.name not in ("global_batch", "top_k"))
-_module_graphs: "weakref.WeakKeyDictionary[Any, dict[int, LayerGraph]]" = weakref.WeakKeyDictionary()
+_module_graphs: weakref.WeakKeyDictionary[Any, dict[int, LayerGraph]] = weakref.WeakKeyDictionary()
 
 
 class Plans(tuple):
@@ -155,7 +156,7 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any
     spec = load_cluster(cluster, **cluster_options)
     if not isinstance(config, ParallelConfig):
         if not isinstance(config, Mapping):
-            raise ValueError(f"config must be a ParallelConfig or a dict, got {type(config).__name__}")
+            raise ValueError(f"config must be a ParallelConfig or a dict, got {type(config).__name__}")  # noqa: TRY004 (bad input is a ValueError here)
         config = ParallelConfig.from_dict(config, num_devices=spec.num_devices)
     check_config(config, spec, global_batch)
     from autoplan.cost import estimate_config

@@ -7,8 +7,9 @@ from __future__ import annotations
 import contextlib
 import importlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 

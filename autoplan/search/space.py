@@ -7,8 +7,8 @@ legal combination is listed; pruning happens in search.py on predicted costs, by
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import numpy as np
 
@@ -98,7 +98,7 @@ class ModelLimits:
     num_experts: int
 
     @classmethod
-    def of(cls, graph: LayerGraph) -> "ModelLimits":
+    def of(cls, graph: LayerGraph) -> ModelLimits:
         blocks = graph.blocks or graph.layers
         sizes = {v for b in blocks for v in (b.num_heads, b.num_kv_heads, b.ffn_hidden_size) if v > 0}
         experts = {b.num_experts for b in blocks if b.num_experts > 0}
@@ -173,7 +173,7 @@ class Space:
             virtual_stages=c["virtual_stages"], recompute=RECOMPUTES[c["recompute"]],
         )
 
-    def take(self, index: np.ndarray) -> "Space":
+    def take(self, index: np.ndarray) -> Space:
         return Space({k: v[index] for k, v in self.columns.items()})
 
 

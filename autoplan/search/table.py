@@ -4,7 +4,8 @@ tokens/s, MFU, memory per device and the top time causes."""
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from autoplan.plan.types import Plan
 
