@@ -18,7 +18,7 @@ def recompute_label(plan: Plan) -> str:
     if not plan.layer_recompute:
         return plan.config.recompute.value
     counts = Counter(r.value for _, r in plan.layer_recompute)
-    return plan.config.recompute.value + "+" + ",".join(f"{n}{r[:3]}" for r, n in counts.items())
+    return plan.config.recompute.value + ", " + ", ".join(f"{n} {r}" for r, n in counts.items())
 
 
 def causes_label(plan: Plan, n: int = 3) -> str:

@@ -102,3 +102,17 @@ def test_more_memory_never_gives_a_slower_best_plan() -> None:
     t_small = autoplan.autoplan(GRAPH, small, global_batch=8, seq_len=512, top_k=1)[0].estimate.step_time_s
     t_big = autoplan.autoplan(GRAPH, base, global_batch=8, seq_len=512, top_k=1)[0].estimate.step_time_s
     assert t_big <= t_small * (1 + 1e-9)
+
+
+def test_per_layer_recompute_beats_every_uniform_config_when_memory_is_between() -> None:
+    graph = gpt_graph(h=1024, a=8, layers=8, seq=2048, vocab=4096)
+    base = a100_cluster(1, per_node=1)
+    peak = {r: estimate_config(graph, base, ParallelConfig(recompute=r), global_batch=4).peak_mem_bytes
+            for r in Recompute}
+    cluster = _with_memory(base, (peak[Recompute.NONE] + peak[Recompute.FULL]) // 2)
+    uniform = min(e.step_time_s for _, e in _sweep(graph, cluster, 4) if e.fits)
+    best = autoplan.autoplan(graph, cluster, global_batch=4, seq_len=2048, top_k=1)[0]
+    assert best.layer_recompute  # a mix of recompute modes ...
+    assert best.estimate.step_time_s < uniform  # ... strictly faster than any single mode that fits
+    again = estimate_config(graph, cluster, best.config, global_batch=4, layer_recompute=dict(best.layer_recompute))
+    assert again.fits and again.step_time_s == pytest.approx(best.estimate.step_time_s)
