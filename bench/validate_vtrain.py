@@ -58,13 +58,13 @@ def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int, b: int = 1, 
     tok = b * s
     scores = 5 * a * s * s * b if unfused_attention else 0
     params = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
-    block = dict(
-        kind="block", role=LayerRole.BLOCK, fwd_matmul_flops=2.0 * tok * (4 * h * h + 2 * h * f),
-        fwd_attention_flops=4.0 * b * s * s * h, fwd_elementwise_flops=10.0 * tok * h,
-        num_params=params, param_bytes=2 * params, activation_bytes=34 * tok * h + scores,
-        attention_activation_bytes=scores, input_bytes=2 * tok * h, output_bytes=2 * tok * h,
-        hidden_size=h, num_heads=a, num_kv_heads=a, ffn_hidden_size=f, num_nodes=BLOCK_OPS,
-    )
+    block = {
+        "kind": "block", "role": LayerRole.BLOCK, "fwd_matmul_flops": 2.0 * tok * (4 * h * h + 2 * h * f),
+        "fwd_attention_flops": 4.0 * b * s * s * h, "fwd_elementwise_flops": 10.0 * tok * h,
+        "num_params": params, "param_bytes": 2 * params, "activation_bytes": 34 * tok * h + scores,
+        "attention_activation_bytes": scores, "input_bytes": 2 * tok * h, "output_bytes": 2 * tok * h,
+        "hidden_size": h, "num_heads": a, "num_kv_heads": a, "ffn_hidden_size": f, "num_nodes": BLOCK_OPS,
+    }
     out = [Layer(name="embed", kind="embed", role=LayerRole.EMBEDDING, index=0, fwd_matmul_flops=0.0,
                  fwd_attention_flops=0.0, fwd_elementwise_flops=float(tok * h), num_params=(vocab + s) * h,
                  param_bytes=2 * (vocab + s) * h, activation_bytes=tok * h, output_bytes=2 * tok * h,

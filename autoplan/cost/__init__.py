@@ -5,19 +5,24 @@ memory and where the time goes. No torch; see each module's docstrings for the s
 from __future__ import annotations
 
 from autoplan.cost.comm import (
-    all_gather_s, all_reduce_s, all_to_all_s, group_placement, p2p_s, reduce_scatter_s,
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    group_placement,
+    p2p_s,
+    reduce_scatter_s,
 )
 from autoplan.cost.compute import matmul_efficiency, matmul_time_s, memory_time_s
 from autoplan.cost.estimate import ADAM_BYTES_PER_PARAM, estimate_config
 from autoplan.cost.layer import estimate_layer
 from autoplan.cost.memory import block_activation_bytes, model_state_bytes
-from autoplan.cost.overlap import overlapped_s
+from autoplan.cost.overlap import exposed_s, overlapped_s
 from autoplan.cost.pipeline import bubble_fraction, in_flight_microbatches, pipeline_time_s
 from autoplan.cost.stages import balanced_stages, check_config
 from autoplan.cost.types import GroupPlacement, LayerCost
 
 
-def stage_time_s(costs: "list[LayerCost] | tuple[LayerCost, ...]") -> float:
+def stage_time_s(costs: list[LayerCost] | tuple[LayerCost, ...]) -> float:
     """Forward + backward time of one microbatch through a stage of layers (compute, recompute and
     the exposed tp / cp / ep communication), without pipeline point-to-point or data-parallel traffic."""
     return sum(cost.time_s for cost in costs)
@@ -26,7 +31,7 @@ def stage_time_s(costs: "list[LayerCost] | tuple[LayerCost, ...]") -> float:
 __all__ = [
     "ADAM_BYTES_PER_PARAM", "GroupPlacement", "LayerCost", "all_gather_s", "all_reduce_s", "all_to_all_s",
     "balanced_stages", "block_activation_bytes", "bubble_fraction", "check_config", "estimate_config",
-    "estimate_layer", "group_placement", "in_flight_microbatches", "matmul_efficiency", "matmul_time_s",
+    "estimate_layer", "exposed_s", "group_placement", "in_flight_microbatches", "matmul_efficiency", "matmul_time_s",
     "memory_time_s", "model_state_bytes", "overlapped_s", "p2p_s", "pipeline_time_s", "reduce_scatter_s",
     "stage_time_s",
 ]

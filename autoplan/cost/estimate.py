@@ -5,20 +5,20 @@ step, peak memory, MFU, and a breakdown of the step time by cause.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost.compute import memory_time_s
 from autoplan.cost.layer import dtype_bytes, estimate_layer
 from autoplan.cost.memory import GRAD_BYTES_PER_PARAM, WEIGHT_BYTES_PER_PARAM, model_state_bytes
-from autoplan.cost.overlap import overlapped_s
+from autoplan.cost.overlap import exposed_s
 from autoplan.cost.pipeline import in_flight_microbatches, pipeline_time_s
 from autoplan.cost.stages import balanced_stages, check_config, check_stages
 from autoplan.cost.types import LayerCost
 from autoplan.graph.types import LayerGraph, LayerRole
-from autoplan.plan.types import Breakdown, Estimate, MemoryBreakdown, ParallelConfig, Recompute, Schedule
+from autoplan.plan.types import Breakdown, Estimate, MemoryBreakdown, ParallelConfig, Recompute
 
 # Adam step per local parameter, memory-bound (Kingma & Ba 2015 update; PyTorch fused / apex multi-tensor
 # Adam): read fp32 master weight, momentum, variance (12) and write them (12), read the 16-bit gradient
@@ -66,7 +66,6 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     m = check_config(graph, cluster, config, global_batch)
     p, v = config.pp, config.virtual_stages
     stages = balanced_stages(graph, p * v) if stages is None else check_stages(graph, stages, p * v)
-    by_name = {layer.name: layer for layer in graph.layers}
     overrides = {k: Recompute(r) for k, r in (layer_recompute or {}).items()}
     costs: dict[str, LayerCost] = {}
     for layer in graph.layers:
@@ -128,14 +127,14 @@ def _add_stage(rank: _Rank, costs: Sequence[LayerCost], cluster: ClusterSpec, co
     reduce = [_dp_collective(c, cluster, config, dense_group, expert_group, dbytes, reduce_fn,
                              GRAD_BYTES_PER_PARAM) for c in costs]
     none = [0.0] * len(costs)
-    dp_fwd = overlapped_s(fwd, gather, none) - sum(fwd) if config.zero == 3 else 0.0
+    dp_fwd = exposed_s(fwd, gather, none) if config.zero == 3 else 0.0
     if config.zero >= 2:
         pre = gather[::-1] if config.zero == 3 else none
-        dp_bwd = overlapped_s(bwd[::-1], pre, reduce[::-1]) - sum(bwd)
+        dp_bwd = exposed_s(bwd[::-1], pre, reduce[::-1])
     else:
         dp_bwd = 0.0
         if overlap_dp:
-            rank.dp_tail += overlapped_s(bwd[::-1], none, reduce[::-1]) - sum(bwd)
+            rank.dp_tail += exposed_s(bwd[::-1], none, reduce[::-1])
         else:
             rank.dp_tail += _dp_collective_total(costs, cluster, config, dense_group, expert_group, dbytes)
     rank.compute += sum(c.fwd_s + c.bwd_s for c in costs)
@@ -210,10 +209,13 @@ def _breakdown(ranks: Sequence[_Rank], m: int, pipe: float, dp_after: float, opt
     """Exposed seconds per cause. The slowest rank's per-microbatch slot, times m, is split into its
     causes; the rest of the pipeline time is the bubble; then the step's tail."""
     slow = max(ranks, key=lambda r: r.slot)
+    bubble = pipe - m * slow.slot
+    if bubble < 1e-12 * pipe:  # a single stage: only rounding is left
+        bubble = 0.0
     return Breakdown(
         compute=m * slow.compute, recompute=m * slow.recompute, tp_comm=m * slow.tp, cp_comm=m * slow.cp,
         ep_comm=m * slow.ep, pp_comm=m * slow.pp, dp_comm=m * slow.dp + dp_after,
-        pp_bubble=max(pipe - m * slow.slot, 0.0), optimizer=optimizer,
+        pp_bubble=bubble, optimizer=optimizer,
     )
 
 

@@ -4,7 +4,7 @@ collectives they depend on (prefetched weight gathers) or produce (gradient buck
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def overlapped_s(compute_s: Sequence[float], pre_s: Sequence[float], post_s: Sequence[float]) -> float:
@@ -32,3 +32,11 @@ def overlapped_s(compute_s: Sequence[float], pre_s: Sequence[float], post_s: Seq
             comm_free = pre_done
         comm_free = max(comm_free, compute_end) + post_s[i] if post_s[i] > 0 else comm_free
     return max(compute_end, comm_free)
+
+
+def exposed_s(compute_s: Sequence[float], pre_s: Sequence[float], post_s: Sequence[float]) -> float:
+    """Communication time not hidden by compute: overlapped_s minus sum(compute_s), >= 0 (exactly 0
+    when there is nothing to communicate)."""
+    if not any(pre_s) and not any(post_s):
+        return 0.0
+    return max(overlapped_s(compute_s, pre_s, post_s) - sum(compute_s), 0.0)

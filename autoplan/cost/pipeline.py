@@ -6,7 +6,7 @@ Times are per microbatch per pipeline rank (a rank's chunks summed); the slowest
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from autoplan.plan.types import Schedule
 

@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import math
 
+from test_cost_graph_helper import a100_cluster, gpt_graph
+
 from autoplan.cost import (
-    GroupPlacement, all_gather_s, all_reduce_s, all_to_all_s, estimate_layer, group_placement, p2p_s,
+    GroupPlacement,
+    all_gather_s,
+    all_reduce_s,
+    all_to_all_s,
+    estimate_layer,
+    group_placement,
+    p2p_s,
 )
 from autoplan.plan.types import ParallelConfig
-from test_cost_graph_helper import a100_cluster, gpt_graph
 
 
 def test_ring_all_reduce_inside_a_node() -> None:

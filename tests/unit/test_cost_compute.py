@@ -8,11 +8,11 @@ import math
 from pathlib import Path
 
 import pytest
+from test_cost_graph_helper import a100_cluster, gpt_graph
 
 from autoplan.cost import estimate_layer, matmul_efficiency
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.types import ParallelConfig, Recompute
-from test_cost_graph_helper import a100_cluster, gpt_graph
 
 COST_DIR = Path(__file__).resolve().parents[2] / "autoplan" / "cost"
 

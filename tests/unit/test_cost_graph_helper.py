@@ -21,14 +21,14 @@ def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int = 50257, b: i
     mm = 2.0 * tok * (h * qkv + h * h) + (expert_flops if experts else 2.0 * tok * 2 * h * f)
     params = h * qkv + qkv + h * h + h + (expert_params + experts * (f + h) if experts else 2 * h * f + f + h) + 4 * h
     scores = 5 * a * s * s * b if unfused else 0
-    block = dict(
-        role=LayerRole.BLOCK, fwd_matmul_flops=mm, fwd_attention_flops=4.0 * b * s * s * h,
-        fwd_elementwise_flops=10.0 * tok * h, num_params=params, param_bytes=2 * params,
-        activation_bytes=34 * s * b * h + scores, attention_activation_bytes=scores,
-        input_bytes=2 * tok * h, output_bytes=2 * tok * h, hidden_size=h, num_heads=a,
-        num_kv_heads=kv, ffn_hidden_size=f, num_experts=experts, top_k=top_k,
-        expert_params=expert_params, fwd_expert_flops=expert_flops,
-    )
+    block = {
+        "role": LayerRole.BLOCK, "fwd_matmul_flops": mm, "fwd_attention_flops": 4.0 * b * s * s * h,
+        "fwd_elementwise_flops": 10.0 * tok * h, "num_params": params, "param_bytes": 2 * params,
+        "activation_bytes": 34 * s * b * h + scores, "attention_activation_bytes": scores,
+        "input_bytes": 2 * tok * h, "output_bytes": 2 * tok * h, "hidden_size": h, "num_heads": a,
+        "num_kv_heads": kv, "ffn_hidden_size": f, "num_experts": experts, "top_k": top_k,
+        "expert_params": expert_params, "fwd_expert_flops": expert_flops,
+    }
     out = [Layer(name="embed", kind="embed", role=LayerRole.EMBEDDING, index=0, fwd_matmul_flops=0.0,
                  fwd_attention_flops=0.0, fwd_elementwise_flops=float(tok * h), num_params=(vocab + s) * h,
                  param_bytes=2 * (vocab + s) * h, activation_bytes=tok * h, output_bytes=2 * tok * h,

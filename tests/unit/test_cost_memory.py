@@ -6,10 +6,10 @@ import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_cost_graph_helper import a100_cluster, gpt_graph
 
 from autoplan.cost import estimate_layer, in_flight_microbatches, model_state_bytes
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
-from test_cost_graph_helper import a100_cluster, gpt_graph
 
 S, B, H, A = 2048, 2, 4096, 32
 GRAPH = gpt_graph(h=H, a=A, layers=1, seq=S)

@@ -1,0 +1,138 @@
+"""estimate_config: the step as a whole (known trends, breakdown, MFU, errors), each against an
+independent computation."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_cost_graph_helper import a100_cluster, gpt_graph, narayanan_flops
+
+from autoplan.cost import balanced_stages, estimate_config
+from autoplan.graph.types import Layer, LayerGraph, LayerRole
+from autoplan.plan.types import ParallelConfig
+
+SMALL = gpt_graph(h=2048, a=16, layers=8, seq=1024)
+GPT3 = gpt_graph(h=12288, a=96, layers=96, seq=2048, unfused=False)
+
+
+def test_one_device_has_no_communication() -> None:
+    c = a100_cluster(1, per_node=1)
+    est = estimate_config(SMALL, c, ParallelConfig(microbatch=2), global_batch=8)
+    for cause in ("tp_comm", "dp_comm", "pp_comm", "pp_bubble", "ep_comm", "cp_comm"):
+        assert est.breakdown[cause] == 0.0
+    assert math.isclose(est.breakdown.total_s, est.step_time_s, rel_tol=1e-12)
+
+
+def test_mfu_is_one_on_an_ideal_device() -> None:
+    """Only matmul FLOPs, efficiencies 1, no parameters: step = 3 F / peak exactly."""
+    layers = tuple(Layer(name=f"l{i}", kind="l", role=LayerRole.BLOCK, index=i, fwd_matmul_flops=3.12e12,
+                         fwd_attention_flops=0.0, fwd_elementwise_flops=0.0, num_params=0, param_bytes=0,
+                         activation_bytes=10) for i in range(2))
+    graph = LayerGraph(model_name="mm", layers=layers, seq_len=16, microbatch=1)
+    est = estimate_config(graph, a100_cluster(1, per_node=1, ideal=True), ParallelConfig(), global_batch=4)
+    assert math.isclose(est.step_time_s, 4 * 3 * 2 * 3.12e12 / 312e12, rel_tol=1e-12)
+    assert math.isclose(est.mfu, 1.0, rel_tol=1e-12)
+
+
+def test_model_flops_follow_narayanan() -> None:
+    c = a100_cluster(1)
+    est = estimate_config(SMALL, c, ParallelConfig(dp=8, recompute="full"), global_batch=16)
+    assert math.isclose(est.model_flops, narayanan_flops(B=16, s=1024, l=8, h=2048, V=50257), rel_tol=1e-12)
+    layers_only = narayanan_flops(B=16, s=1024, l=8, h=2048, V=0)
+    assert math.isclose(est.hardware_flops - est.model_flops, layers_only / 3, rel_tol=1e-12)
+
+
+@settings(max_examples=30, deadline=None)
+@given(tp=st.sampled_from([1, 2, 4]), pp=st.sampled_from([1, 2, 4]), mb=st.sampled_from([1, 2]),
+       zero=st.integers(0, 3), recompute=st.sampled_from(["none", "selective", "full"]),
+       schedule=st.sampled_from(["1f1b", "gpipe", "interleaved", "zb"]), sp=st.booleans())
+def test_breakdown_adds_up_to_the_step(tp, pp, mb, zero, recompute, schedule, sp) -> None:
+    v = 2 if schedule in ("interleaved", "zb") and pp > 1 else 1
+    cfg = ParallelConfig(tp=tp, pp=pp, dp=16 // (tp * pp), microbatch=mb, zero=zero, recompute=recompute,
+                         schedule=schedule, virtual_stages=v, sp=sp)
+    est = estimate_config(SMALL, a100_cluster(2), cfg, global_batch=64)
+    assert math.isclose(est.breakdown.total_s, est.step_time_s, rel_tol=1e-9)
+    assert all(value >= 0 for value in est.breakdown.to_dict().values())
+    assert est.fits == (est.peak_mem_bytes <= est.mem_capacity_bytes)
+    assert math.isclose(est.tokens_per_s, 64 * 1024 / est.step_time_s)
+
+
+def test_more_microbatches_shrink_the_bubble_share() -> None:
+    c = a100_cluster(1)
+    share = []
+    for batch in (8, 16, 64):
+        est = estimate_config(SMALL, c, ParallelConfig(pp=4, dp=2), global_batch=batch)
+        share.append(est.breakdown.pp_bubble / est.step_time_s)
+    assert share[0] > share[1] > share[2] > 0
+
+
+def test_more_replicas_at_fixed_batch_lower_per_gpu_throughput() -> None:
+    per_gpu = []
+    for nodes in (1, 2, 8):
+        c = a100_cluster(nodes)
+        est = estimate_config(SMALL, c, ParallelConfig(dp=8 * nodes), global_batch=64)
+        per_gpu.append(est.tokens_per_s / c.num_devices)
+    assert per_gpu[0] > per_gpu[1] > per_gpu[2]
+
+
+def test_selective_beats_full_recompute_when_both_fit() -> None:
+    c = a100_cluster(8)
+    base = {"tp": 8, "pp": 8, "dp": 1, "sp": True, "microbatch": 1}
+    sel = estimate_config(GPT3, c, ParallelConfig(recompute="selective", **base), global_batch=64)
+    full = estimate_config(GPT3, c, ParallelConfig(recompute="full", **base), global_batch=64)
+    assert sel.fits and full.fits
+    assert sel.step_time_s < full.step_time_s
+    assert full.peak_mem_bytes < sel.peak_mem_bytes
+
+
+def test_zero3_alone_on_hundreds_of_gpus_is_slower_than_tp_pp() -> None:
+    """gpt3-175b on 512 A100s: ZeRO-3 alone only fits with full recompute, so it loses to tp8 x pp8 with
+    selective recompute; where the nodes have a single 200 Gb/s NIC its weight gathers (3 x 350 GB per
+    microbatch through the node) can no longer hide behind compute and it is much slower."""
+    for nic_bw, factor in ((25e9, 1.03), (25e9 / 8, 1.5)):
+        c = a100_cluster(64, nic_bw=nic_bw)
+        zero3 = estimate_config(GPT3, c, ParallelConfig(dp=512, zero=3, recompute="full"), global_batch=1536)
+        zero3_sel = estimate_config(GPT3, c, ParallelConfig(dp=512, zero=3, recompute="selective"),
+                                    global_batch=1536)
+        mega = estimate_config(GPT3, c, ParallelConfig(tp=8, pp=8, dp=8, sp=True, recompute="selective"),
+                               global_batch=1536)
+        assert zero3.fits and mega.fits and not zero3_sel.fits
+        assert zero3.step_time_s > factor * mega.step_time_s
+
+
+def test_balanced_stages_puts_embedding_first_and_head_last() -> None:
+    stages = balanced_stages(gpt_graph(h=64, a=4, layers=10, seq=16), 4)
+    assert stages[0][0] == "embed" and stages[-1][-1] == "head"
+    assert [sum(n.startswith("layers.") for n in s) for s in stages] == [2, 3, 3, 2]
+
+
+@pytest.mark.parametrize("cfg, batch, match", [
+    (ParallelConfig(dp=4), 8, "devices"),
+    (ParallelConfig(dp=8), 12, "global batch 12"),
+    (ParallelConfig(tp=8, dp=1, microbatch=1), 8, "tp=8 does not divide the attention heads"),
+    (ParallelConfig(dp=4, ep=2), 8, "dense model"),
+    (ParallelConfig(dp=2, cp=4), 8, "cp=4 does not divide seq_len=18"),
+    (ParallelConfig(pp=8, dp=1), 8, "blocks"),
+])
+def test_configs_that_cannot_run(cfg, batch, match) -> None:
+    graph = gpt_graph(h=96, a=12, layers=4, seq=18)
+    with pytest.raises(ValueError, match=match):
+        estimate_config(graph, a100_cluster(1), cfg, global_batch=batch)
+
+
+def test_experts_must_divide_over_ep() -> None:
+    moe = gpt_graph(h=64, a=4, layers=2, seq=16, experts=6, top_k=2)
+    with pytest.raises(ValueError, match="ep=4 does not divide the 6 experts"):
+        estimate_config(moe, a100_cluster(1), ParallelConfig(dp=2, ep=4), global_batch=8)
+    est = estimate_config(moe, a100_cluster(1), ParallelConfig(dp=4, ep=2), global_batch=8)
+    assert est.breakdown.ep_comm > 0
+
+
+def test_given_stages_are_checked() -> None:
+    c = a100_cluster(1)
+    with pytest.raises(ValueError, match="stages has 1 entries"):
+        estimate_config(SMALL, c, ParallelConfig(pp=2, dp=4), global_batch=8,
+                        stages=(tuple(x.name for x in SMALL.layers),))
