@@ -2,7 +2,7 @@
 
 The same seed gives the same initial weights (the full model is built on CPU after
 torch.manual_seed(seed), before any sharding) and the same data (the global batch of step k is drawn
-from a torch.Generator seeded with (seed << 32) + k), so one process with tp = pp = dp = 1 is the
+from a torch.Generator seeded with (seed * 1000003 + k) mod 2^32), so one process with tp = pp = dp = 1 is the
 reference for every plan. Loss: mean next-token cross entropy over all tokens of the global batch.
 """
 
@@ -80,7 +80,8 @@ def build_model(model_name: str, seed: int) -> Transformer:
 
 def make_batch(seed: int, step: int, *, global_batch: int, seq_len: int, vocab_size: int) -> torch.Tensor:
     """Token ids [global_batch, seq_len + 1] of one step; inputs and targets are its shift by one."""
-    generator = torch.Generator().manual_seed((seed << 32) + step)
+    # the CPU generator keeps 32 bits of its seed; distinct for seeds < 4294 and steps < 1000003
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**32)
     return torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=generator)
 
 

@@ -1,0 +1,166 @@
+"""Executor pieces that need no process group: data, batch slicing, stage cuts and placement, recompute
+wrapping, plan files, the torchrun command and the failure diagnosis."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from autoplan.cli.main import main
+from autoplan.execute.launch import diagnose, read_plan, torchrun_command, write_plan
+from autoplan.execute.pipeline import check_stages, even_stages, extract_stage, local_stage_indices
+from autoplan.execute.recompute import apply_recompute, original_fqn
+from autoplan.execute.train import TrainOptions, local_batch, make_batch
+from autoplan.models import preset
+from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Plan, Recompute, Stage
+
+
+class _Coords:
+    """Stands in for SubMeshes: only this rank's coordinates are read by local_batch."""
+
+    def __init__(self, **ranks: int) -> None:
+        self.ranks = ranks
+
+    def rank_on(self, axis: str) -> int:
+        return self.ranks.get(axis, 0)
+
+
+def test_make_batch_is_a_function_of_seed_and_step() -> None:
+    a = make_batch(3, 5, global_batch=4, seq_len=8, vocab_size=50)
+    assert a.shape == (4, 9) and int(a.min()) >= 0 and int(a.max()) < 50
+    assert torch.equal(a, make_batch(3, 5, global_batch=4, seq_len=8, vocab_size=50))
+    assert not torch.equal(a, make_batch(3, 6, global_batch=4, seq_len=8, vocab_size=50))
+    assert not torch.equal(a, make_batch(4, 5, global_batch=4, seq_len=8, vocab_size=50))
+
+
+def test_local_batches_tile_the_global_batch() -> None:
+    config = ParallelConfig(dp=2, ep=2, cp=2)
+    batch = make_batch(0, 0, global_batch=8, seq_len=8, vocab_size=100)
+    inputs, targets = torch.full((8, 8), -1), torch.full((8, 8), -1)
+    for dp in range(2):
+        for ep in range(2):
+            for cp in range(2):
+                x, y = local_batch(batch, config, _Coords(dp=dp, ep=ep, cp=cp))
+                row, col = (dp * 2 + ep) * 2, cp * 4  # replica dp*ep + ep_rank owns 2 rows; cp owns 4 columns
+                inputs[row:row + 2, col:col + 4], targets[row:row + 2, col:col + 4] = x, y
+    assert torch.equal(inputs, batch[:, :-1]) and torch.equal(targets, batch[:, 1:])
+
+
+def test_local_batch_rejects_a_sequence_cp_does_not_divide() -> None:
+    with pytest.raises(ValueError, match="cp=3"):
+        local_batch(torch.zeros(2, 9, dtype=torch.long), ParallelConfig(cp=3), _Coords())
+
+
+def test_even_stages_and_placement() -> None:
+    model = preset("tiny-gpt")
+    stages = even_stages(model, 3)
+    assert [s.layer_names for s in stages] == [("embed", "layers.0", "layers.1"), ("layers.2",),
+                                               ("layers.3", "norm", "head")]
+    with pytest.raises(ValueError, match="only 4 blocks"):
+        even_stages(model, 5)
+    with pytest.raises(ValueError, match="must hold"):
+        check_stages(model, stages[:2], 2)
+    looped = ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2)
+    assert [local_stage_indices(looped, r) for r in range(2)] == [(0, 2), (1, 3)]
+    v_shape = ParallelConfig(pp=2, schedule="zb", virtual_stages=2)
+    assert [local_stage_indices(v_shape, r) for r in range(2)] == [(0, 3), (1, 2)]
+
+
+def test_stages_chained_compute_the_full_model() -> None:
+    torch.manual_seed(0)
+    model = preset("tiny-llama")
+    tokens = torch.randint(0, 128, (2, 8))
+    stages = (Stage(index=0, layer_names=("embed", "layers.0")),
+              Stage(index=1, layer_names=("layers.1", "layers.2", "layers.3", "norm", "head")))
+    first, second = (extract_stage(model, s) for s in stages)
+    assert list(first.layers.keys()) == ["0"] and first.head is None and second.embed is None
+    with torch.no_grad():
+        torch.testing.assert_close(second(first(tokens)), model(tokens))
+
+
+def test_recompute_keeps_values_gradients_and_names() -> None:
+    torch.manual_seed(0)
+    model, tokens = preset("tiny-gpt"), torch.randint(0, 128, (1, 4))
+    reference = preset("tiny-gpt")
+    reference.load_state_dict(model.state_dict())
+    modes = {"layers.1": Recompute.FULL, "layers.2": Recompute.SELECTIVE}
+    apply_recompute(model, recompute_for=lambda name: modes.get(name, Recompute.NONE))
+    kinds = [type(model.layers[i]).__name__ + "/" + type(model.layers[i].attn.core).__name__ for i in "012"]
+    assert kinds == ["Block/AttentionCore", "CheckpointWrapper/AttentionCore", "Block/CheckpointWrapper"]
+    model(tokens).sum().backward()
+    reference(tokens).sum().backward()
+    grads = {original_fqn(n): p.grad for n, p in model.named_parameters()}
+    assert sorted(grads) == sorted(n for n, _ in reference.named_parameters())
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(grads[name], param.grad)
+
+
+def test_plan_files_round_trip(tmp_path) -> None:
+    path = tmp_path / "p.json"
+    config = ParallelConfig(tp=2, pp=2, schedule="gpipe")
+    write_plan(config, path, global_batch=16, seq_len=32)
+    assert read_plan(path) == (config, 16, 32)
+    assert read_plan(path, global_batch=8)[1] == 8
+    estimate = Estimate(step_time_s=1.0, tokens_per_s=1.0, mfu=0.5, peak_mem_bytes=1, mem_capacity_bytes=2,
+                        fits=True, breakdown=Breakdown())
+    plan = Plan(config=config, estimate=estimate, model_name="tiny-gpt", cluster_name="x", num_devices=4,
+                global_batch=16, seq_len=32, stages=even_stages(preset("tiny-gpt"), 2))
+    write_plan(plan, path, global_batch=None, seq_len=None)
+    assert read_plan(path) == (plan, 16, 32)
+    path.write_text(json.dumps({"config": {"tp": 2}}))
+    with pytest.raises(ValueError, match="--global-batch"):
+        read_plan(path)
+
+
+def test_torchrun_command_standalone_or_multi_node() -> None:
+    single = torchrun_command(["--steps", "1"], nproc_per_node=4)
+    assert "--standalone" in single and "--nproc-per-node=4" in single
+    assert single[-3:] == ["autoplan.execute.worker", "--steps", "1"]
+    multi = torchrun_command([], nproc_per_node=8, launcher_args=["--nnodes=2", "--rdzv-endpoint=h:29400"])
+    assert "--standalone" not in multi and "--nnodes=2" in multi
+
+
+def _error(tmp_path, rank: int, when: float, kind: str, message: str) -> None:
+    (tmp_path / f"error-{rank}.json").write_text(json.dumps(
+        {"rank": rank, "time": when, "type": kind, "message": message, "traceback": f"tb of {rank}"}))
+
+
+TORCHRUN_SUMMARY = """Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-29_19:19:56
+  host      : localhost
+  rank      : 3 (local_rank: 3)
+  exitcode  : -9 (pid: 17967)  (SIGKILL)
+"""
+
+
+def test_diagnose_blames_the_rank_that_failed_on_its_own(tmp_path) -> None:
+    _error(tmp_path, 0, 1.0, "RuntimeError", "[gloo] Connection closed by peer [127.0.0.1]:123")
+    _error(tmp_path, 2, 2.0, "ValueError", "bad shape")
+    rank, message = diagnose(str(tmp_path), TORCHRUN_SUMMARY)
+    assert rank == 2 and message.startswith("rank 2 failed: ValueError: bad shape") and "tb of 2" in message
+
+
+def test_diagnose_names_a_killed_rank_over_its_peers_errors(tmp_path) -> None:
+    _error(tmp_path, 0, 1.0, "RuntimeError", "[gloo] Connection closed by peer [127.0.0.1]:123")
+    assert diagnose(str(tmp_path), TORCHRUN_SUMMARY) == (
+        3, "rank 3 died: killed by signal SIGKILL (the process had no chance to report a Python traceback); "
+           "the other ranks were stopped")
+
+
+def test_diagnose_points_at_silent_ranks_after_a_timeout(tmp_path) -> None:
+    for rank in range(3):
+        (tmp_path / f"stack-{rank}.txt").write_text("")
+    _error(tmp_path, 1, 1.0, "DistBackendError", "Timed out waiting 30000ms for recv")
+    _error(tmp_path, 2, 1.5, "DistBackendError", "Timed out waiting 30000ms for recv")
+    rank, message = diagnose(str(tmp_path), "")
+    assert rank == 1 and "ranks [0] reported nothing" in message
+
+
+def test_train_options_and_cli_reject_bad_input(capsys) -> None:
+    with pytest.raises(ValueError, match="checkpoint"):
+        TrainOptions(steps=2, global_batch=2, seq_len=4, save_every=1)
+    assert main(["run", "--model", "tiny-gpt", "--steps", "1", "--plan", "p.json", "--tp", "2"]) == 2
+    assert "either --plan or configuration flags" in capsys.readouterr().err
