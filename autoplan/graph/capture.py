@@ -9,10 +9,14 @@ result equals a full capture (tests check it).
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import itertools
+import logging
 import math
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -162,7 +166,26 @@ def _keep_only(model: nn.Module, container_path: str, children: list[str]) -> No
     container._modules = OrderedDict((n, every[n]) for n in names)
 
 
+@contextlib.contextmanager
+def _quiet_torch_logs() -> Iterator[None]:
+    """torch.export prints the partial graph and guard warnings of a failed trace to stderr; the
+    CaptureError says what failed in one line."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
 def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[ExportedProgram, str]:
+    with _quiet_torch_logs():
+        return _trace_loud(model, args, kwargs)
+
+
+def _trace_loud(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[ExportedProgram, str]:
     try:
         return torch.export.export(model, args, kwargs, strict=False), "export"
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one CaptureError line
@@ -226,7 +249,7 @@ def _layer(group: layers.Group, index: int, model: nn.Module, owner: dict[str, i
         top_k = top_k or layers.module_topk(model, group.paths)
         hint.unbacked = max(1, tokens * top_k // experts.num_experts)
         moe = dict(num_experts=experts.num_experts, top_k=top_k, expert_params=experts.expert_params,
-                   num_shared_experts=recognise.shared_experts(model, group.paths, experts),
+                   num_shared_experts=recognise.shared_experts(model, experts, hidden),
                    fwd_expert_flops=2.0 * tokens * top_k * experts.weight_params_per_expert)
     m = layers.measure(nodes, taint, hint, experts.paths if experts else ())
     shape = recognise.transformer_shape(nodes, taint, hint, microbatch, hidden, experts)

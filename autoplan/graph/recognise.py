@@ -50,7 +50,7 @@ def find_experts(model: nn.Module, paths: list[str], hidden: int) -> Experts | N
     ffn = 0
     for p in matrices:
         shape = p.shape[-2:]
-        if shape[0] == hidden and shape[1] != hidden:  # the down projection [.., h, f]
+        if shape[0] == hidden:  # the down projection [.., h, f]
             ffn = int(shape[1])
     return Experts(paths=tuple(s for s, _, _ in found), num_experts=num,
                    expert_params=sum(p.numel() for p in params), weight_params_per_expert=weight,
@@ -97,7 +97,7 @@ def layer_hidden(nodes: list[fx.Node], taint: Taint, hint: Hint) -> int:
     return hint(max(floats, key=lambda t: ops.numel(t, hint)).shape[-1]) if floats else 0
 
 
-def shared_experts(model: nn.Module, paths: list[str], experts: Experts) -> int:
+def shared_experts(model: nn.Module, experts: Experts, hidden: int) -> int:
     """Shared experts beside the routed ones (a sibling module named *shared*), in units of the routed
     expert's FFN width (DeepSeekMoE, Dai et al. 2024, fuses them into one MLP of the summed width)."""
     modules = dict(model.named_modules())
@@ -105,8 +105,8 @@ def shared_experts(model: nn.Module, paths: list[str], experts: Experts) -> int:
     for name, module in modules[parent].named_children() if parent in modules else ():
         if "shared" not in name or "gate" in name:
             continue
-        downs = [m for m in module.modules() if isinstance(m, nn.Linear) and m.in_features != m.out_features]
-        width = max((m.in_features for m in downs), default=0)
+        downs = [m for m in module.modules() if isinstance(m, nn.Linear) and m.out_features == hidden]
+        width = max((m.in_features for m in downs), default=0)  # the down projection f -> h
         if experts.ffn_hidden_size and width:
             return max(1, round(width / experts.ffn_hidden_size))
         return 1
