@@ -26,6 +26,12 @@ class BlockShape:
     num_experts: int = 0
     top_k: int = 0
     f_e: float = 0.0
+    num_shared: int = 0
+
+    @property
+    def dense_mlps(self) -> int:
+        """Dense MLPs of width f run on every token: 1 in a dense block, the shared experts in a MoE one."""
+        return self.num_shared if self.num_experts else 1
 
     @property
     def qkv_out_width(self) -> int:
@@ -62,7 +68,7 @@ def block_shape(layer: Layer, graph_tokens: float) -> BlockShape | None:
     if layer.num_experts > 0 and layer.top_k > 0 and layer.fwd_expert_flops > 0:
         f_e = layer.fwd_expert_flops / (graph_tokens * layer.top_k * 2 * n_mlp * h)
     return BlockShape(h=h, a=a, g=g, f=f, n_mlp=n_mlp, num_experts=layer.num_experts,
-                      top_k=layer.top_k, f_e=f_e)
+                      top_k=layer.top_k, f_e=f_e, num_shared=layer.num_shared_experts)
 
 
 def matmul_efficiency(device: DeviceSpec, flops: float) -> float:
@@ -104,15 +110,17 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
       replicated over tp ranks without SP, split with SP;
     - MLP activation: n_mlp * f elements (GELU: read f, write f; SwiGLU: read 2f, write f), split
       over tp;
-    - MoE: permute + unpermute copies of top_k * h per token (read and write);
+    - MoE: permute + unpermute copies of top_k * h per token (read and write), and the activation
+      of the top_k routed experts (n_mlp * f_e each) in place of the dense MLP's (shared experts keep
+      theirs);
     - unfused attention scores (when materialised), a s per token split over tp: the Q K^T batched
       matmul writes them, the fused scale-mask-softmax reads and writes them, dropout reads and writes
       them plus a 1-byte mask, the scores x V matmul reads them: 6 accesses + 1 byte."""
     t = config.tp
     h_split = t if config.sp else 1
-    elements = (10.0 * shape.h / h_split + shape.n_mlp * shape.f / t)
+    elements = 10.0 * shape.h / h_split + shape.dense_mlps * shape.n_mlp * shape.f / t
     if shape.num_experts:
-        elements += 4.0 * shape.top_k * shape.h / h_split
+        elements += 4.0 * shape.top_k * shape.h / h_split + shape.top_k * shape.n_mlp * shape.f_e / t
     mask_bytes = 2.0 * shape.h / h_split
     total = tokens * (elements * dtype_bytes + mask_bytes)
     scores = 0.0

@@ -68,9 +68,14 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     stages = balanced_stages(graph, p * v) if stages is None else check_stages(graph, stages, p * v)
     overrides = {k: Recompute(r) for k, r in (layer_recompute or {}).items()}
     costs: dict[str, LayerCost] = {}
+    by_kind: dict[tuple[str, Recompute], LayerCost] = {}  # identical layers share a kind (graph.types)
     for layer in graph.layers:
-        costs[layer.name] = estimate_layer(layer, cluster, config, overrides.get(layer.name, config.recompute),
-                                           seq_len=graph.seq_len, graph_microbatch=graph.microbatch)
+        mode = overrides.get(layer.name, config.recompute)
+        key = (layer.kind, mode)
+        if key not in by_kind:
+            by_kind[key] = estimate_layer(layer, cluster, config, mode, seq_len=graph.seq_len,
+                                          graph_microbatch=graph.microbatch)
+        costs[layer.name] = by_kind[key]
     ranks = [_Rank() for _ in range(p)]
     pp_cross = comm.group_placement(config, ("pp",), cluster.devices_per_node).crosses_nodes
     dense_group = comm.group_placement(config, ("dp", "ep", "cp"), cluster.devices_per_node)
@@ -121,12 +126,19 @@ def _add_stage(rank: _Rank, costs: Sequence[LayerCost], cluster: ClusterSpec, co
     bucket, the first layer's."""
     fwd = [c.fwd_s + c.fwd_comm_s for c in costs]
     bwd = [c.time_s - f for c, f in zip(costs, fwd)]
-    gather = [_dp_collective(c, cluster, config, dense_group, expert_group, dbytes, comm.all_gather_s,
-                             WEIGHT_BYTES_PER_PARAM) for c in costs]
-    reduce_fn = comm.reduce_scatter_s if config.zero >= 1 else comm.all_reduce_s
-    reduce = [_dp_collective(c, cluster, config, dense_group, expert_group, dbytes, reduce_fn,
-                             GRAD_BYTES_PER_PARAM) for c in costs]
     none = [0.0] * len(costs)
+    memo: dict[tuple[int, str], float] = {}  # layers of one kind share one LayerCost object
+
+    def collective(c: LayerCost, fn, bytes_per_param: int) -> float:
+        key = (id(c), fn.__name__)
+        if key not in memo:
+            memo[key] = _dp_collective(c, cluster, config, dense_group, expert_group, dbytes, fn, bytes_per_param)
+        return memo[key]
+
+    gather = ([collective(c, comm.all_gather_s, WEIGHT_BYTES_PER_PARAM) for c in costs]
+              if config.zero == 3 else none)
+    reduce_fn = comm.reduce_scatter_s if config.zero >= 1 else comm.all_reduce_s
+    reduce = [collective(c, reduce_fn, GRAD_BYTES_PER_PARAM) for c in costs]
     dp_fwd = exposed_s(fwd, gather, none) if config.zero == 3 else 0.0
     if config.zero >= 2:
         pre = gather[::-1] if config.zero == 3 else none

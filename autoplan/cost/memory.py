@@ -36,7 +36,7 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     tokens = b * s / cp
     h_split = t if config.sp else 1
     replicated = 10.0 * shape.h  # bytes per token at 16 bits, as the paper counts them
-    hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f
+    hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f * shape.dense_mlps
     split = 2.0 * shape.h + 4.0 * shape.h * shape.g / shape.a + 2.0 * shape.h + hidden
     if shape.num_experts and shape.top_k:
         e_hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f_e
