@@ -13,8 +13,9 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,7 +78,7 @@ def _merged(parts: list[tuple[dict, dict]], step: int) -> dict[str, Any]:
         for target, source, what in ((model, model_sd, "model"), (optim, optim_sd, "optimizer")):
             clash = target.keys() & source.keys()
             if clash:
-                raise ValueError(f"{what} state key {sorted(clash)[0]!r} appears in two model parts: each "
+                raise ValueError(f"{what} state key {min(clash)!r} appears in two model parts: each "
                                  f"parameter must live in exactly one part")
             target.update(source)
     return {"model": model, "optim": optim, "step": torch.tensor(step, dtype=torch.int64)}

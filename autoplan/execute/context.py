@@ -15,7 +15,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autoplan.models.transformer import Attention, AttentionCore, TokenEmbedding
 
-
 # torch >= 2.10 renamed the dim-0 autograd all-gather; the old name warns there and is all torch 2.6 has
 _all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (DTensor imports it on first use: ~5 s per forked rank unless done here)
+import torch._dynamo  # (DTensor imports it on first use: ~5 s per forked rank unless done here)
 from harness import assert_matches_reference, reference, run_ranks
 from torch import nn
 

@@ -1,22 +1,20 @@
 """Context parallelism on gloo against the single-process model: cp2 (and cp4) with causal attention on
-tiny-gpt (learned positions) and tiny-llama (RoPE, grouped-query attention) over several SGD steps, and cp2
-x ep2 on tiny-moe under FSDP2 (expert gradients averaged over cp, dense ones over ep*cp)."""
+tiny-gpt (learned positions) and tiny-llama (RoPE, grouped-query attention) over several SGD steps, and a
+cp2 x dp2 FSDP plan through apply_plan (cp with ep and pp: test_exec_experts.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (DTensor imports it on first use: ~5 s per forked rank unless done here)
+import torch._dynamo  # (DTensor imports it on first use: ~5 s per forked rank unless done here)
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import run_ranks
+from harness import assert_matches_reference, reference, run_plan, run_ranks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
 
 from autoplan.execute.context import ContextParallelCore, apply_context_parallel
-from autoplan.execute.experts import apply_experts, expert_parallel_modules
 from autoplan.models import preset
+from autoplan.plan.types import ParallelConfig
 
 pytestmark = pytest.mark.dist
 
@@ -86,27 +84,10 @@ def test_cp_training_equals_reference(name: str, cp: int) -> None:
         assert set(offsets) == {rank * SEQ // cp}
 
 
-def _cp_ep_fsdp(rank: int, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "cp"))
-    torch.manual_seed(SEED)
-    model = preset("tiny-moe")
-    apply_experts(model, ep_mesh=mesh["ep"])
-    apply_context_parallel(model, cp_mesh=mesh["cp"])
-    dense_mesh = mesh["ep", "cp"]._flatten("ep_cp")
-    for module in expert_parallel_modules(model):  # experts: replicated over cp (sharded over ep)
-        fully_shard(module, mesh=mesh["cp"])
-    for block in model.layers.values():
-        fully_shard(block, mesh=dense_mesh)
-    fully_shard(model, mesh=dense_mesh)
-    losses = _train(model, replica=mesh["ep"].get_local_rank(), num_replicas=2,
-                    cp_rank=mesh["cp"].get_local_rank(), cp=2)
-    full = {n: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-            for n, p in model.named_parameters()}
-    return losses, full
-
-
-def test_cp2_ep2_fsdp_training_equals_reference() -> None:
-    _check(run_ranks(_cp_ep_fsdp, 4), *_reference("tiny-moe"))
+def test_cp2_dp2_fsdp_plan_trains_like_the_reference() -> None:
+    """Through apply_plan and the training loop: dense weights FSDP-sharded over the flattened dp*cp ranks."""
+    assert_matches_reference(run_plan("tiny-llama", ParallelConfig(cp=2, dp=2, zero=3), steps=3),
+                             reference("tiny-llama", steps=3))
 
 
 def test_cp_rejects_a_second_application() -> None:

@@ -1,6 +1,6 @@
-"""Expert parallelism on gloo against the single-process tiny-moe: outputs and gradients under ep2 / ep4, and
-ep2 x dp2 (FSDP2) training over several SGD steps. Expert gradients must equal the reference, which checks
-the 1/ep scale (the all-to-all backward already sums over the ep group)."""
+"""Expert parallelism on gloo against the single-process tiny-moe: outputs and gradients under ep2 / ep4 (the
+expert gradients check the 1/ep scale: the all-to-all backward already sums over the ep group), and plans
+combining ep with dp (FSDP2, replicate), cp and pp trained over several steps."""
 
 from __future__ import annotations
 
@@ -8,20 +8,20 @@ import time
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (DTensor imports it on first use: ~5 s per forked rank unless done here)
+import torch._dynamo  # (DTensor imports it on first use: ~5 s per forked rank unless done here)
 import torch.distributed as dist
 import torch.nn.functional as F
-from harness import run_ranks
+from harness import assert_matches_reference, reference, run_plan, run_ranks
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 from autoplan.execute.experts import ExpertParallel, apply_experts, expert_parallel_modules
 from autoplan.models import preset
+from autoplan.plan.types import ParallelConfig
 
 pytestmark = pytest.mark.dist
 
-MODEL, SEED, BATCH, SEQ, STEPS, LR = "tiny-moe", 0, 8, 16, 3, 0.5
+MODEL, SEED, BATCH, SEQ = "tiny-moe", 0, 8, 16
 
 
 def _batch(step: int) -> torch.Tensor:
@@ -77,49 +77,15 @@ def test_ep_outputs_and_gradients_equal_reference(ep: int) -> None:
     print(f"ep{ep}: {max(r[2] for r in results):.2f} s per rank")
 
 
-def _train(model: torch.nn.Module, batch_of_step, replica: int, num_replicas: int) -> list[float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        loss, _ = _loss(model, batch_of_step(step).chunk(num_replicas)[replica])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        loss = loss.detach()
-        if num_replicas > 1:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
-        losses.append(loss.item())
-    return losses
-
-
-def _ep_dp_fsdp(rank: int, world_size: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
-    torch.manual_seed(SEED)
-    model = preset(MODEL)
-    apply_experts(model, ep_mesh=mesh["ep"])
-    # experts: sharded over ep already, so FSDP over dp only; the rest over the flattened dp*ep replicas
-    dense_mesh = mesh["dp", "ep"]._flatten("dp_ep")
-    for module in expert_parallel_modules(model):
-        fully_shard(module, mesh=mesh["dp"])
-    for block in model.layers.values():
-        fully_shard(block, mesh=dense_mesh)
-    fully_shard(model, mesh=dense_mesh)
-    replica = mesh["dp"].get_local_rank() * 2 + mesh["ep"].get_local_rank()
-    losses = _train(model, _batch, replica, 4)
-    return losses, {n: _full(p.detach()) for n, p in model.named_parameters()}
-
-
-def test_ep2_dp2_fsdp_training_equals_reference() -> None:
-    torch.manual_seed(SEED)
-    model = preset(MODEL)
-    ref_losses = _train(model, _batch, 0, 1)
-    start = time.perf_counter()
-    results = run_ranks(_ep_dp_fsdp, 4)
-    print(f"ep2 x dp2: {time.perf_counter() - start:.2f} s")
-    for losses, params in results:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(params[name], param.detach(), msg=lambda m, n=name: f"{n}: {m}")
+@pytest.mark.parametrize("config", [
+    ParallelConfig(ep=2, dp=2, zero=3),
+    ParallelConfig(ep=2, dp=2, zero=0),
+    ParallelConfig(pp=2, ep=2, cp=2, zero=2, microbatch=2),
+], ids=["ep2xdp2-fsdp", "ep2xdp2-replicate", "pp2xep2xcp2-zero2"])
+def test_moe_plans_train_like_the_reference(config: ParallelConfig) -> None:
+    """Through apply_plan and the training loop (3 AdamW steps): experts FSDP-sharded / replicated over dp
+    (and cp) only, dense weights over dp*ep*cp; and with pipeline stages holding some MoE blocks."""
+    assert_matches_reference(run_plan(MODEL, config, steps=3), reference(MODEL, steps=3))
 
 
 def test_ep_degree_must_divide_experts() -> None:
