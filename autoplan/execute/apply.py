@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from autoplan.execute.context import apply_context_parallel
+from autoplan.execute.experts import apply_experts
 from autoplan.execute.fsdp import apply_data_parallel
 from autoplan.execute.mesh import SubMeshes
 from autoplan.execute.pipeline import check_stages, even_stages, extract_stage, local_stage_indices, num_stages
@@ -47,31 +49,17 @@ def apply_plan(model: Transformer, plan: Plan | ParallelConfig, meshes: SubMeshe
     config = config_of(plan)
     if config.pp > 1:
         stages = plan_stages(model, plan)
-        parts = [extract_stage(model, stages[i]) for i in local_stage_indices(config, meshes.rank_on("pp"))]
+        parts = [extract_stage(model, stages[i], first=i == 0, last=i == len(stages) - 1)
+                 for i in local_stage_indices(config, meshes.rank_on("pp"))]
     else:
         parts = [model]
     for part in parts:
         part.to(device)
         apply_tensor_parallel(part, tp_mesh=meshes.tp, sp=config.sp)
-        _apply_experts(part, meshes=meshes)
-        _apply_context_parallel(part, meshes=meshes)
+        apply_experts(part, ep_mesh=meshes.ep)
+        apply_context_parallel(part, cp_mesh=meshes.cp)
         apply_recompute(part, recompute_for=recompute_lookup(plan))
         apply_data_parallel(part, zero=config.zero, dense_mesh=meshes.dense_dp, expert_mesh=meshes.expert_dp,
                             ep=meshes.ep.size())
     return parts
 
-
-def _apply_experts(part: Transformer, *, meshes: SubMeshes) -> None:
-    if meshes.ep.size() == 1:
-        return
-    from autoplan.execute.experts import apply_experts
-
-    apply_experts(part, ep_mesh=meshes.ep)
-
-
-def _apply_context_parallel(part: Transformer, *, meshes: SubMeshes) -> None:
-    if meshes.cp.size() == 1:
-        return
-    from autoplan.execute.context import apply_context_parallel
-
-    apply_context_parallel(part, cp_mesh=meshes.cp)

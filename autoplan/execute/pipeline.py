@@ -63,25 +63,42 @@ def even_stages(model: Transformer, count: int) -> tuple[Stage, ...]:
     return tuple(stages)
 
 
+def _blocks(stage: Stage) -> list[str]:
+    return [name for name in stage.layer_names if name.split(".")[0] == "layers"]
+
+
 def check_stages(model: Transformer, stages: Sequence[Stage], count: int) -> None:
-    """Raise ValueError unless `stages` are `count` stages covering every module once, in model order."""
-    expected = ["embed"] + [f"layers.{n}" for n in model.layers.keys()] + ["norm", "head"]
-    got = [name for stage in sorted(stages, key=lambda s: s.index) for name in stage.layer_names]
+    """Raise ValueError unless `stages` are `count` stages whose blocks cover every block once, in model
+    order. Other names (embed, norm, head and their submodules) may be given or omitted: embed always
+    runs on the first stage, norm and head on the last."""
+    ordered = sorted(stages, key=lambda s: s.index)
+    expected = [f"layers.{n}" for n in model.layers.keys()]
+    got = [name for stage in ordered for name in _blocks(stage)]
     if len(stages) != count or got != expected:
-        raise ValueError(f"the plan's {len(stages)} stages hold {got}, but pp * virtual_stages = {count} "
+        raise ValueError(f"the plan's {len(stages)} stages hold blocks {got}, but pp * virtual_stages = {count} "
                          f"stages must hold {expected} in order")
+    for i, stage in enumerate(ordered):
+        for name in set(stage.layer_names) - set(_blocks(stage)):
+            root = name.split(".")[0]
+            if root not in ("embed", "norm", "head"):
+                raise ValueError(f"stage {stage.index} names {name!r}, not a module of {model.config.name}")
+            if i != (0 if root == "embed" else count - 1):
+                raise ValueError(f"stage {stage.index} holds {name!r}: embed belongs on the first stage, "
+                                 f"norm and head on the last")
 
 
-def extract_stage(model: Transformer, stage: Stage) -> Transformer:
-    """A deep copy of `model` holding only the modules of `stage` (names unchanged)."""
+def extract_stage(model: Transformer, stage: Stage, *, first: bool, last: bool) -> Transformer:
+    """A deep copy of `model` holding only the blocks of `stage` (names unchanged), plus the embedding
+    on the first stage and the final norm and head on the last."""
     part = copy.deepcopy(model)
-    keep = set(stage.layer_names)
+    keep = set(_blocks(stage))
     for name in list(part.layers.keys()):
         if f"layers.{name}" not in keep:
             del part.layers[name]
-    for name in ("embed", "norm", "head"):
-        if name not in keep:
-            setattr(part, name, None)
+    if not first:
+        part.embed = None
+    if not last:
+        part.norm = part.head = None
     return part
 
 

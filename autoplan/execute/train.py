@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autoplan.execute.apply import apply_plan, config_of
+from autoplan.execute.checkpoint import load_checkpoint, save_checkpoint
 from autoplan.execute.fsdp import ZERO1_RUNS_AS_ZERO2
 from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
@@ -199,28 +200,15 @@ def train(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, *
 
 
 def _save(job: _Job, options: TrainOptions, step: int) -> None:
-    from autoplan.execute.checkpoint import save_checkpoint
-
-    save_checkpoint(f"{options.checkpoint_dir}/step-{step:07d}", step=step, model_parts=job.parts,
-                    optimizers=job.optimizers)
+    """Into <checkpoint_dir>/step-<step>, keyed by the original parameter names (any plan can load it)."""
+    save_checkpoint(options.checkpoint_dir, step=step, model_parts=job.parts, optimizers=job.optimizers)
 
 
 def _maybe_resume(job: _Job, options: TrainOptions) -> int:
+    """The number of steps already done: 0, or the step of the newest checkpoint under options.resume."""
     if not options.resume:
         return 0
-    from autoplan.execute.checkpoint import load_checkpoint
-
-    return load_checkpoint(latest_checkpoint(options.resume), model_parts=job.parts, optimizers=job.optimizers)
-
-
-def latest_checkpoint(path: str) -> str:
-    """`path` itself, or its newest step-NNNNNNN subdirectory when it holds saves of several steps."""
-    import os
-
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"no checkpoint directory {path!r}")
-    steps = sorted(d for d in os.listdir(path) if d.startswith("step-"))
-    return os.path.join(path, steps[-1]) if steps else path
+    return load_checkpoint(options.resume, model_parts=job.parts, optimizers=job.optimizers)
 
 
 def full_parameters(parts: list[nn.Module]) -> dict[str, torch.Tensor]:

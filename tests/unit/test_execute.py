@@ -62,6 +62,11 @@ def test_even_stages_and_placement() -> None:
         even_stages(model, 5)
     with pytest.raises(ValueError, match="must hold"):
         check_stages(model, stages[:2], 2)
+    check_stages(model, (Stage(index=0, layer_names=("embed", "layers.0", "layers.1")),  # norm omitted
+                         Stage(index=1, layer_names=("layers.2", "layers.3", "head"))), 2)
+    with pytest.raises(ValueError, match="embed belongs on the first stage"):
+        check_stages(model, (Stage(index=0, layer_names=("layers.0", "layers.1")),
+                             Stage(index=1, layer_names=("layers.2", "layers.3", "embed"))), 2)
     looped = ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2)
     assert [local_stage_indices(looped, r) for r in range(2)] == [(0, 2), (1, 3)]
     v_shape = ParallelConfig(pp=2, schedule="zb", virtual_stages=2)
@@ -74,7 +79,8 @@ def test_stages_chained_compute_the_full_model() -> None:
     tokens = torch.randint(0, 128, (2, 8))
     stages = (Stage(index=0, layer_names=("embed", "layers.0")),
               Stage(index=1, layer_names=("layers.1", "layers.2", "layers.3", "norm", "head")))
-    first, second = (extract_stage(model, s) for s in stages)
+    first, second = extract_stage(model, stages[0], first=True, last=False), \
+        extract_stage(model, stages[1], first=False, last=True)
     assert list(first.layers.keys()) == ["0"] and first.head is None and second.embed is None
     with torch.no_grad():
         torch.testing.assert_close(second(first(tokens)), model(tokens))
