@@ -28,8 +28,13 @@ print(json.dumps({"wall_s": wall, "peak_rss_mb": peak / 1024, "import_rss_mb": b
 
 
 def measure(name: str, seq_len: int) -> dict:
-    out = subprocess.run([sys.executable, "-c", _CHILD, name, str(seq_len)], capture_output=True,
-                         text=True, check=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, name, str(seq_len)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -37,9 +42,11 @@ def main(argv: list[str]) -> int:
     names = argv or ["llama3-70b", "llama3-405b"]
     for name in names:
         r = measure(name, 8192 if "llama3" in name else 2048)
-        print(f"{name:14s} capture {r['wall_s']:6.2f} s  peak RSS {r['peak_rss_mb']:7.0f} MB "
-              f"(after import {r['import_rss_mb']:.0f} MB)  {r['layers']} layers  "
-              f"{r['params'] / 1e9:.1f} B params  {r['fwd_flops'] / 1e12:.0f} TFLOP fwd")
+        print(
+            f"{name:14s} capture {r['wall_s']:6.2f} s  peak RSS {r['peak_rss_mb']:7.0f} MB "
+            f"(after import {r['import_rss_mb']:.0f} MB)  {r['layers']} layers  "
+            f"{r['params'] / 1e9:.1f} B params  {r['fwd_flops'] / 1e12:.0f} TFLOP fwd"
+        )
     return 0
 
 

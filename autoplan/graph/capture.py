@@ -52,7 +52,7 @@ def capture(
     _check_size("seq_len", seq_len)
     _check_size("microbatch", microbatch)
     if not isinstance(model, nn.Module):
-        raise ValueError(f"capture needs an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
     shadow = _meta_copy(model, dtype)
     shadow.train()
     args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
@@ -76,15 +76,19 @@ def capture(
         vocab_size=vocab,
         num_nodes=sum(layer.num_nodes for layer in built),
         capture_method=method,
-        notes=(f"{len(set(rep_of.values()))} distinct blocks traced, reused for {len(rep_of)}",) if rep_of else (),
+        notes=(f"{len(set(rep_of.values()))} distinct blocks traced, reused for {len(rep_of)}",)
+        if rep_of
+        else (),
     )
 
 
 def _check_size(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=2048"
-                         if name == "seq_len" else
-                         f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1")
+        raise ValueError(
+            f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=2048"
+            if name == "seq_len"
+            else f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1"
+        )
 
 
 def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -96,18 +100,22 @@ def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             continue
         if isinstance(t, nn.Parameter):
             target = dtype if t.is_floating_point() else t.dtype
-            memo[id(t)] = nn.Parameter(torch.empty(t.shape, dtype=target, device="meta"),
-                                       requires_grad=t.requires_grad)
+            memo[id(t)] = nn.Parameter(
+                torch.empty(t.shape, dtype=target, device="meta"), requires_grad=t.requires_grad
+            )
         else:
             memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
     return copy.deepcopy(model, memo)
 
 
-def _inputs(model: nn.Module, seq_len: int, microbatch: int,
-            example: tuple[Any, ...] | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def _inputs(
+    model: nn.Module, seq_len: int, microbatch: int, example: tuple[Any, ...] | None
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if example is not None:
-        metas = tuple(torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor)
-                      else x for x in example)
+        metas = tuple(
+            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+            for x in example
+        )
         return metas, {}
     if any(isinstance(m, nn.Embedding) for m in model.modules()):
         ids = torch.zeros(microbatch, seq_len, dtype=torch.long, device="meta")
@@ -123,12 +131,16 @@ def _inputs(model: nn.Module, seq_len: int, microbatch: int,
     elif isinstance(first, nn.Conv2d):
         side = math.isqrt(seq_len)
         if side * side != seq_len:
-            raise ValueError(f"a model starting with Conv2d takes seq_len = patches = side^2, got "
-                             f"{seq_len}; pass a square seq_len or example_inputs=(images,)")
+            raise ValueError(
+                f"a model starting with Conv2d takes seq_len = patches = side^2, got "
+                f"{seq_len}; pass a square seq_len or example_inputs=(images,)"
+            )
         shape = (microbatch, first.in_channels, side * first.stride[0], side * first.stride[1])
     else:
-        raise ValueError(f"cannot infer the input of {type(model).__name__} (no Embedding, Linear or "
-                         f"Conv first); pass example_inputs=(tensor, ...)")
+        raise ValueError(  # noqa: TRY004 - a model we cannot read, not a wrong argument type
+            f"cannot infer the input of {type(model).__name__} (no Embedding, Linear or "
+            f"Conv first); pass example_inputs=(tensor, ...)"
+        )
     return (torch.empty(shape, dtype=dtype, device="meta"),), {}
 
 
@@ -149,9 +161,13 @@ def _representatives(model: nn.Module, units: layers.Units) -> dict[str, str]:
 def _signature(module: nn.Module) -> str:
     parts: list[Any] = []
     for name, sub in module.named_modules():
-        attrs = sorted((k, v) for k, v in vars(sub).items() if not k.startswith("_")
-                       and k not in {"training", "layer_idx", "layer_id", "layer_number", "index"}
-                       and isinstance(v, (int, float, str, bool, type(None))))
+        attrs = sorted(
+            (k, v)
+            for k, v in vars(sub).items()
+            if not k.startswith("_")
+            and k not in {"training", "layer_idx", "layer_id", "layer_number", "index"}
+            and isinstance(v, (int, float, str, bool, type(None)))
+        )
         parts.append((name, type(sub).__qualname__, attrs))
     for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
         parts.append((name, tuple(t.shape), str(t.dtype), t.requires_grad))
@@ -185,26 +201,30 @@ def _trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> t
         return _trace_loud(model, args, kwargs)
 
 
-def _trace_loud(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[ExportedProgram, str]:
+def _trace_loud(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[ExportedProgram, str]:
     try:
         return torch.export.export(model, args, kwargs, strict=False), "export"
     except Exception as exc:  # noqa: BLE001 - every tracing failure becomes one CaptureError line
         first = exc
-    try:
+    with contextlib.suppress(Exception):  # the fallback failing too: report the first failure
         traced = torch.fx.symbolic_trace(model)
         return torch.export.export(traced, args, kwargs, strict=False), "symbolic_trace"
-    except Exception:  # noqa: BLE001
-        pass
     raise CaptureError(describe_failure(first, model)) from first
 
 
-def _measure(ep: ExportedProgram, model: nn.Module, units: layers.Units, microbatch: int,
-             seq_len: int) -> list[Layer]:
+def _measure(
+    ep: ExportedProgram, model: nn.Module, units: layers.Units, microbatch: int, seq_len: int
+) -> list[Layer]:
     graph = ep.graph
     specs = ep.graph_signature.input_specs
     user = {s.arg.name for s in specs if s.kind is InputKind.USER_INPUT}
-    params = {s.arg.name for s in specs if s.kind in (InputKind.PARAMETER, InputKind.BUFFER,
-                                                      InputKind.CONSTANT_TENSOR)}
+    params = {
+        s.arg.name
+        for s in specs
+        if s.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+    }
     taint = layers.taint(graph, user, params)
     groups = layers.group_nodes(graph, units, model)
     saved = activations.saved_for_backward(ep, taint, seq_len, microbatch)
@@ -221,8 +241,11 @@ def _param_owners(ep: ExportedProgram, model: nn.Module, groups: list[layers.Gro
     paths = {p: i for i, g in enumerate(groups) for p in g.paths}
     node_group = {n: i for i, g in enumerate(groups) for n in g.nodes}
     placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
-    by_target = {s.target: placeholders.get(s.arg.name) for s in ep.graph_signature.input_specs
-                 if s.kind is InputKind.PARAMETER}
+    by_target = {
+        s.target: placeholders.get(s.arg.name)
+        for s in ep.graph_signature.input_specs
+        if s.kind is InputKind.PARAMETER
+    }
     owner: dict[str, int] = {}
     for fqn, _ in model.named_parameters():
         unit = layers.unit_of(fqn.rpartition(".")[0], set(paths))
@@ -236,8 +259,16 @@ def _param_owners(ep: ExportedProgram, model: nn.Module, groups: list[layers.Gro
     return owner
 
 
-def _layer(group: layers.Group, index: int, model: nn.Module, owner: dict[str, int],
-           taint: layers.Taint, hint: layers.Hint, saved: dict, microbatch: int) -> Layer:
+def _layer(
+    group: layers.Group,
+    index: int,
+    model: nn.Module,
+    owner: dict[str, int],
+    taint: layers.Taint,
+    hint: layers.Hint,
+    saved: dict,
+    microbatch: int,
+) -> Layer:
     nodes = group.nodes
     own = [(fqn, p) for fqn, p in model.named_parameters() if owner.get(fqn) == index]
     hidden = recognise.layer_hidden(nodes, taint, hint)
@@ -248,9 +279,14 @@ def _layer(group: layers.Group, index: int, model: nn.Module, owner: dict[str, i
         tokens, top_k = recognise.router_tokens_and_topk(nodes, experts, hint)
         top_k = top_k or layers.module_topk(model, group.paths)
         hint.unbacked = max(1, tokens * top_k // experts.num_experts)
-        moe = dict(num_experts=experts.num_experts, top_k=top_k, expert_params=experts.expert_params,
-                   num_shared_experts=recognise.shared_experts(model, experts, hidden),
-                   fwd_expert_flops=2.0 * tokens * top_k * experts.weight_params_per_expert)
+        moe = {
+            "num_experts": experts.num_experts,
+            "top_k": top_k,
+            "expert_params": experts.expert_params,
+            "num_shared_experts": recognise.shared_experts(model, experts, hidden),
+            # T * top_k expert applications, 2 FLOPs per expert weight each
+            "fwd_expert_flops": 2.0 * tokens * top_k * experts.weight_params_per_expert,
+        }
     m = layers.measure(nodes, taint, hint, experts.paths if experts else ())
     shape = recognise.transformer_shape(nodes, taint, hint, microbatch, hidden, experts)
     act, attn_act = layers.saved_bytes(nodes, saved)
@@ -258,21 +294,34 @@ def _layer(group: layers.Group, index: int, model: nn.Module, owner: dict[str, i
     relative = sorted((_relative(fqn, group.paths), tuple(p.shape), str(p.dtype)) for fqn, p in own)
     kind = f"{group.role.value}/{'moe' if experts else 'dense'}/{layers.kind_hash(group.role, m.signature, relative)}"
     return Layer(
-        name=group.name, kind=kind, role=group.role, index=index,
+        name=group.name,
+        kind=kind,
+        role=group.role,
+        index=index,
         fwd_matmul_flops=m.matmul + moe.get("fwd_expert_flops", 0.0),
-        fwd_attention_flops=m.attention, fwd_elementwise_flops=m.elementwise,
-        num_params=sum(p.numel() for _, p in own), param_bytes=sum(p.numel() * p.element_size() for _, p in own),
-        activation_bytes=act, attention_activation_bytes=attn_act, input_bytes=in_bytes,
-        output_bytes=out_bytes, bytes_moved=m.bytes_moved, hidden_size=shape.hidden_size,
-        num_heads=shape.num_heads, num_kv_heads=shape.num_kv_heads, ffn_hidden_size=shape.ffn_hidden_size,
-        module_paths=tuple(group.paths), num_nodes=len(nodes), **moe,
+        fwd_attention_flops=m.attention,
+        fwd_elementwise_flops=m.elementwise,
+        num_params=sum(p.numel() for _, p in own),
+        param_bytes=sum(p.numel() * p.element_size() for _, p in own),
+        activation_bytes=act,
+        attention_activation_bytes=attn_act,
+        input_bytes=in_bytes,
+        output_bytes=out_bytes,
+        bytes_moved=m.bytes_moved,
+        hidden_size=shape.hidden_size,
+        num_heads=shape.num_heads,
+        num_kv_heads=shape.num_kv_heads,
+        ffn_hidden_size=shape.ffn_hidden_size,
+        module_paths=tuple(group.paths),
+        num_nodes=len(nodes),
+        **moe,
     )
 
 
 def _relative(fqn: str, paths: list[str]) -> str:
     for path in paths:
         if path and fqn.startswith(path + "."):
-            return f"{paths.index(path)}:{fqn[len(path) + 1:]}"
+            return f"{paths.index(path)}:{fqn[len(path) + 1 :]}"
     return fqn
 
 
@@ -300,4 +349,3 @@ def _name_of(model: nn.Module) -> str:
         if isinstance(value, str) and value:
             return value
     return type(model).__name__
-

@@ -30,14 +30,21 @@ def describe_failure(exc: BaseException, model: nn.Module) -> str:
                 where = f"`{line}` ({os.path.basename(frame.f_code.co_filename)}:{tb.tb_lineno})"
             tb = tb.tb_next
     reason = _reason(exc)
-    data_dependent = "data-dependent" in reason or "data dependent" in reason or "GuardOnDataDependent" in (
-        type(exc).__name__ + reason)
-    advice = ("replace Python control flow on tensor values with torch.where / torch.cond, or branch on "
-              "shapes only" if data_dependent else
-              "make the forward traceable by torch.export (strict=False) or pass example_inputs= that "
-              "match its signature")
-    return (f"cannot capture module '{module[0]}' ({module[1]}): op {where or '<unknown>'} failed: "
-            f"{reason}; {advice}")
+    data_dependent = (
+        "data-dependent" in reason
+        or "data dependent" in reason
+        or "GuardOnDataDependent" in (type(exc).__name__ + reason)
+    )
+    advice = (
+        "replace Python control flow on tensor values with torch.where / torch.cond, or branch on shapes only"
+        if data_dependent
+        else "make the forward traceable by torch.export (strict=False) or pass example_inputs= that "
+        "match its signature"
+    )
+    return (
+        f"cannot capture module '{module[0]}' ({module[1]}): op {where or '<unknown>'} failed: "
+        f"{reason}; {advice}"
+    )
 
 
 def _tracebacks(exc: BaseException) -> list[TracebackType | None]:

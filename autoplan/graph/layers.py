@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 from autoplan.graph import ops
@@ -173,8 +172,14 @@ def taint(graph: fx.Graph, user_inputs: set[str], param_inputs: set[str]) -> Tai
         inputs = node.all_input_nodes
         if any(n in act for n in inputs):
             act.add(node)
-        if inputs and inputs[0] in par and (ops.is_view(node.target) or ops.op_name(node.target) in
-                                             {"index", "_to_copy", "to", "contiguous", "clone", "embedding"}):
+        if (
+            inputs
+            and inputs[0] in par
+            and (
+                ops.is_view(node.target)
+                or ops.op_name(node.target) in {"index", "_to_copy", "to", "contiguous", "clone", "embedding"}
+            )
+        ):
             par.add(node)
     return Taint(activation=act, param=par)
 
@@ -216,7 +221,8 @@ def measure(nodes: list[fx.Node], taint_: Taint, hint: Hint, expert_paths: tuple
             if any(p == node_path(node) or node_path(node).startswith(p + ".") for p in expert_paths):
                 m.expert_matmul += flops
             elif name in {"convolution", "_convolution", "conv1d", "conv2d", "conv3d"} or any(
-                    n in taint_.param for n in node.all_input_nodes):
+                n in taint_.param for n in node.all_input_nodes
+            ):
                 m.matmul += flops
             else:
                 m.attention += flops
@@ -230,7 +236,10 @@ def boundary_bytes(nodes: list[fx.Node], taint_: Taint, hint: Hint) -> tuple[int
     inside = set(nodes)
     entering = {a for n in nodes for a in n.all_input_nodes if a not in inside and a in taint_.activation}
     leaving = {n for n in nodes if n in taint_.activation and any(u not in inside for u in n.users)}
-    size = lambda ns: sum(ops.nbytes(t, hint) for n in ns for t in ops.tensors(n.meta.get("val")))  # noqa: E731
+
+    def size(ns: set[fx.Node]) -> int:
+        return sum(ops.nbytes(t, hint) for n in ns for t in ops.tensors(n.meta.get("val")))
+
     return size(entering), size(leaving)
 
 
@@ -274,5 +283,3 @@ def module_topk(model: nn.Module, paths: list[str]) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 0
-
-

@@ -17,8 +17,19 @@ from autoplan.graph import ops
 from autoplan.graph.layers import Hint, Taint, node_path
 
 _LINEAR = {"linear"}
-_TRACE_THROUGH = {"mul", "add", "sub", "neg", "cat", "to", "_to_copy", "contiguous", "clone",
-                  "repeat_interleave", "repeat"}
+_TRACE_THROUGH = {
+    "mul",
+    "add",
+    "sub",
+    "neg",
+    "cat",
+    "to",
+    "_to_copy",
+    "contiguous",
+    "clone",
+    "repeat_interleave",
+    "repeat",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +49,11 @@ def find_experts(model: nn.Module, paths: list[str], hidden: int) -> Experts | N
             stacked = [p for p in module.parameters(recurse=False) if p.dim() == 3]
             if stacked and len({p.shape[0] for p in stacked}) == 1 and stacked[0].shape[0] >= 2:
                 found.append((sub, module, int(stacked[0].shape[0])))
-            elif (isinstance(module, (nn.ModuleList, nn.ModuleDict)) and sub.endswith("experts")
-                  and len(module) >= 2):
+            elif (
+                isinstance(module, (nn.ModuleList, nn.ModuleDict))
+                and sub.endswith("experts")
+                and len(module) >= 2
+            ):
                 found.append((sub, module, len(module)))
     if not found:
         return None
@@ -52,9 +66,13 @@ def find_experts(model: nn.Module, paths: list[str], hidden: int) -> Experts | N
         shape = p.shape[-2:]
         if shape[0] == hidden:  # the down projection [.., h, f]
             ffn = int(shape[1])
-    return Experts(paths=tuple(s for s, _, _ in found), num_experts=num,
-                   expert_params=sum(p.numel() for p in params), weight_params_per_expert=weight,
-                   ffn_hidden_size=ffn)
+    return Experts(
+        paths=tuple(s for s, _, _ in found),
+        num_experts=num,
+        expert_params=sum(p.numel() for p in params),
+        weight_params_per_expert=weight,
+        ffn_hidden_size=ffn,
+    )
 
 
 def router_tokens_and_topk(nodes: list[fx.Node], experts: Experts, hint: Hint) -> tuple[int, int]:
@@ -90,10 +108,17 @@ class Shape:
 def layer_hidden(nodes: list[fx.Node], taint: Taint, hint: Hint) -> int:
     """Last dim of the largest floating activation entering the layer (its hidden size)."""
     inside = set(nodes)
-    vals = [a.meta.get("val") for n in nodes for a in n.all_input_nodes
-            if a not in inside and a in taint.activation]
-    floats = [v for v in vals if v is not None and hasattr(v, "is_floating_point")
-              and v.is_floating_point() and v.dim() > 0]
+    vals = [
+        a.meta.get("val")
+        for n in nodes
+        for a in n.all_input_nodes
+        if a not in inside and a in taint.activation
+    ]
+    floats = [
+        v
+        for v in vals
+        if v is not None and hasattr(v, "is_floating_point") and v.is_floating_point() and v.dim() > 0
+    ]
     return hint(max(floats, key=lambda t: ops.numel(t, hint)).shape[-1]) if floats else 0
 
 
@@ -113,8 +138,9 @@ def shared_experts(model: nn.Module, experts: Experts, hidden: int) -> int:
     return 0
 
 
-def transformer_shape(nodes: list[fx.Node], taint: Taint, hint: Hint, microbatch: int, hidden: int,
-                      experts: Experts | None) -> Shape:
+def transformer_shape(
+    nodes: list[fx.Node], taint: Taint, hint: Hint, microbatch: int, hidden: int, experts: Experts | None
+) -> Shape:
     """Heads from the attention op's q [b, heads, s, d] (or [b heads, s, d]); kv heads from the
     projection feeding k; FFN width from the down projection (the linear from f back to hidden)."""
     inside = set(nodes)

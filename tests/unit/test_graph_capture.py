@@ -42,12 +42,18 @@ def block_flops(c: TransformerConfig, index: int, tokens: int, seq: int, b: int)
 def test_every_preset_captures_with_exact_structure_params_and_flops(name: str) -> None:
     model, g = graph_of(name)
     c = PRESETS[name]
-    assert [layer.name for layer in g.layers] == ["embed", *(f"layers.{i}" for i in range(c.num_layers)), "head"]
+    assert [layer.name for layer in g.layers] == [
+        "embed",
+        *(f"layers.{i}" for i in range(c.num_layers)),
+        "head",
+    ]
     assert [layer.index for layer in g.layers] == list(range(c.num_layers + 2))
     assert g.layers[0].role is LayerRole.EMBEDDING and g.layers[-1].role is LayerRole.HEAD
     assert g.layers[-1].module_paths == ("norm", "head")
     for layer in g.layers:
-        expected = sum(p.numel() for path in layer.module_paths for p in model.get_submodule(path).parameters())
+        expected = sum(
+            p.numel() for path in layer.module_paths for p in model.get_submodule(path).parameters()
+        )
         assert layer.num_params == expected, layer.name
         assert layer.param_bytes == 2 * expected
     assert g.num_params == sum(p.numel() for p in model.parameters())
@@ -59,13 +65,20 @@ def test_every_preset_captures_with_exact_structure_params_and_flops(name: str) 
         moe = bool(c.num_experts) and i >= c.num_dense_layers
         ffn = c.expert_ffn_hidden_size if moe else c.ffn_hidden_size
         assert (block.hidden_size, block.num_heads, block.num_kv_heads, block.ffn_hidden_size) == (
-            c.hidden_size, c.num_heads, c.num_kv_heads, ffn)
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            ffn,
+        )
         assert (block.num_experts, block.top_k, block.num_shared_experts) == (
-            (c.num_experts, c.top_k, c.num_shared_experts) if moe else (0, 0, 0))
+            (c.num_experts, c.top_k, c.num_shared_experts) if moe else (0, 0, 0)
+        )
         if moe:
             mats = 3 if c.family == "llama" else 2
             assert block.expert_params == c.num_experts * mats * c.hidden_size * c.expert_ffn_hidden_size
-            assert block.fwd_expert_flops == 2 * SEQ * c.top_k * mats * c.hidden_size * c.expert_ffn_hidden_size
+            assert (
+                block.fwd_expert_flops == 2 * SEQ * c.top_k * mats * c.hidden_size * c.expert_ffn_hidden_size
+            )
         assert block.attention_activation_bytes == 0  # SDPA: flash-style, no s x s scores kept
     dense_kinds = {b.kind for i, b in enumerate(g.blocks) if not b.is_moe}
     moe_kinds = {b.kind for b in g.blocks if b.is_moe}

@@ -26,12 +26,20 @@ def ours(name: str) -> LayerGraph:
 @functools.cache
 def hf(name: str) -> LayerGraph:
     c = preset_config(name)
-    common = dict(hidden_size=c.hidden_size, intermediate_size=c.ffn_hidden_size, num_hidden_layers=LAYERS,
-                  num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-                  vocab_size=c.vocab_size, rms_norm_eps=c.norm_eps, tie_word_embeddings=False)
+    common = {
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.ffn_hidden_size,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": False,
+    }
     if c.num_experts:
-        config = transformers.MixtralConfig(**common, num_local_experts=c.num_experts,
-                                            num_experts_per_tok=c.top_k)
+        config = transformers.MixtralConfig(
+            **common, num_local_experts=c.num_experts, num_experts_per_tok=c.top_k
+        )
         config.intermediate_size = c.expert_ffn_hidden_size
         cls = transformers.MixtralForCausalLM
     else:
@@ -50,8 +58,16 @@ def test_hf_block_flops_match_the_autoplan_model_within_2_percent(name: str) -> 
         assert a.fwd_matmul_flops == pytest.approx(b.fwd_matmul_flops, rel=0.02)
         assert a.fwd_attention_flops == pytest.approx(b.fwd_attention_flops, rel=0.02)
         assert a.num_params == b.num_params
-        shape = ("hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "num_experts", "top_k",
-                 "expert_params", "fwd_expert_flops")
+        shape = (
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "ffn_hidden_size",
+            "num_experts",
+            "top_k",
+            "expert_params",
+            "fwd_expert_flops",
+        )
         assert [getattr(a, f) for f in shape] == [getattr(b, f) for f in shape]
     assert theirs.num_params == mine.num_params
 
@@ -60,7 +76,10 @@ def test_hf_block_flops_match_the_autoplan_model_within_2_percent(name: str) -> 
 def test_hf_layers_follow_the_module_tree(name: str) -> None:
     g = hf(name)
     assert [layer.name for layer in g.layers] == [
-        "model.embed_tokens", *(f"model.layers.{i}" for i in range(LAYERS)), "lm_head"]
+        "model.embed_tokens",
+        *(f"model.layers.{i}" for i in range(LAYERS)),
+        "lm_head",
+    ]
     assert g.layers[0].role is LayerRole.EMBEDDING and g.layers[-1].role is LayerRole.HEAD
     assert g.layers[-1].module_paths == ("model.norm", "lm_head")
     assert "model.rotary_emb" in g.layers[0].module_paths  # parameterless: folded where it runs

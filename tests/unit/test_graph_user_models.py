@@ -5,6 +5,7 @@ Expected values are computed by hand from the module shapes (2 m n k per matmul)
 from __future__ import annotations
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ WIDTHS = (32, 64, 64, 64, 10)
 
 def mlp_stack() -> nn.Sequential:
     mods: list[nn.Module] = []
-    for i, (a, b) in enumerate(zip(WIDTHS, WIDTHS[1:])):
+    for i, (a, b) in enumerate(itertools.pairwise(WIDTHS)):
         mods.append(nn.Linear(a, b))
         if i < len(WIDTHS) - 2:
             mods.append(nn.ReLU())
@@ -35,7 +36,7 @@ def mlp_graph():
 def test_mlp_stack_layers_params_and_matmul_flops() -> None:
     g = mlp_graph()
     tokens = 3 * 8
-    pairs = list(zip(WIDTHS, WIDTHS[1:]))
+    pairs = list(itertools.pairwise(WIDTHS))
     assert [layer.name for layer in g.layers] == ["0", "2", "4", "6"]  # each ReLU folds into its Linear
     assert g.layers[0].module_paths == ("0", "1")
     assert all(layer.role is LayerRole.BLOCK for layer in g.layers)
@@ -108,7 +109,8 @@ def test_vit_layers_and_parameter_counts() -> None:
     g = vit_graph()
     assert [layer.name for layer in g.layers] == ["patch_embed", "blocks.0", "blocks.1", "blocks.2", "head"]
     assert [layer.role for layer in g.layers] == [LayerRole.EMBEDDING] + [LayerRole.BLOCK] * DEPTH + [
-        LayerRole.HEAD]
+        LayerRole.HEAD
+    ]
     assert g.layers[-1].module_paths == ("norm", "head")
     embed_params = 3 * PATCH * PATCH * D + D + D + (N + 1) * D  # conv, its bias, class token, positions
     block_params = 2 * 2 * D + (D * 3 * D + 3 * D) + (D * D + D) + (D * 4 * D + 4 * D) + (4 * D * D + D)
@@ -129,7 +131,11 @@ def test_vit_flops_by_hand() -> None:
         # Q K^T and attn x V: 2 b a s s d each
         assert block.fwd_attention_flops == 2 * 2 * MB * HEADS * s * s * (D // HEADS)
         assert (block.hidden_size, block.num_heads, block.num_kv_heads, block.ffn_hidden_size) == (
-            D, HEADS, HEADS, 4 * D)
+            D,
+            HEADS,
+            HEADS,
+            4 * D,
+        )
     assert g.layers[-1].fwd_matmul_flops == 2 * MB * D * CLASSES  # the head sees the class token only
 
 
@@ -183,3 +189,18 @@ def test_model_without_recognisable_input_asks_for_example_inputs() -> None:
 def test_example_inputs_override_the_inferred_input() -> None:
     g = capture(mlp_stack(), seq_len=8, microbatch=3, example_inputs=(torch.zeros(5, 32),))
     assert g.layers[0].fwd_matmul_flops == 2 * 5 * 32 * 64
+
+
+def test_symbolic_trace_fallback_gives_the_same_layers(monkeypatch: pytest.MonkeyPatch) -> None:
+    exported = mlp_graph()
+    real_export = torch.export.export
+
+    def export_only_fx_graphs(model: nn.Module, *args: object, **kwargs: object):  # noqa: ANN202
+        if not isinstance(model, torch.fx.GraphModule):
+            raise RuntimeError("simulated torch.export failure")
+        return real_export(model, *args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", export_only_fx_graphs)
+    fallback = capture(mlp_stack(), seq_len=8, microbatch=3, dtype=torch.float32)
+    assert (exported.capture_method, fallback.capture_method) == ("export", "symbolic_trace")
+    assert fallback.layers == exported.layers
