@@ -14,11 +14,12 @@ B is then exactly the asymptotic bus bandwidth nccl-tests reports: busbw = S / t
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.optimize import curve_fit, nnls
+from scipy.optimize import OptimizeWarning, curve_fit, nnls
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
@@ -136,7 +137,9 @@ def fit_matmul(flops: Sequence[float], achieved_flops_per_s: Sequence[float],
     y = rate / scale
     p0 = (float(y.max()) * 1.2, math.log(float(np.median(f))))
     bounds = ([1e-9, math.log(f.min()) - 30], [np.inf, math.log(f.max()) + 30])
-    (eff, log_half), _ = curve_fit(_saturating, f, y, p0=p0, sigma=y, bounds=bounds, maxfev=20000)
+    with warnings.catch_warnings():  # 2-3 points leave the covariance undefined; only the fit is used
+        warnings.simplefilter("ignore", OptimizeWarning)
+        (eff, log_half), _ = curve_fit(_saturating, f, y, p0=p0, sigma=y, bounds=bounds, maxfev=20000)
     predicted = _saturating(f, eff, log_half)
     error = float(np.sqrt(np.mean(((predicted - y) / y) ** 2)))
     if peak_flops is None:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import sysconfig
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import yaml
 
 from autoplan.cluster.types import ClusterSpec, DeviceSpec, LinkSpec
@@ -78,7 +80,7 @@ def _check_keys(section: Mapping[str, Any], required: tuple[str, ...], optional:
             raise ValueError(f"{path}: missing field '{where}{key}': add it (see profiles/dgx-a100-80gb.yaml)")
 
 
-def _number(value: Any, field: str, path: str) -> float:
+def _number(value: Any, field: str, path: str, *, allow_zero: bool = False) -> float:
     # PyYAML (YAML 1.1) reads "1e9" without a dot or exponent sign as a string: accept it.
     if isinstance(value, str):
         try:
@@ -87,8 +89,8 @@ def _number(value: Any, field: str, path: str) -> float:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{path}: field {field!r} must be a number, got {value!r}")
-    if not value > 0:
-        raise ValueError(f"{path}: field {field!r} must be > 0, got {value!r}")
+    if not (value > 0 or (allow_zero and value == 0)):
+        raise ValueError(f"{path}: field {field!r} must be {'>=' if allow_zero else '>'} 0, got {value!r}")
     if field.rsplit(".", 1)[-1] in _FRACTIONS and value > 1:
         raise ValueError(f"{path}: field {field!r} is a fraction of nominal and must be in (0, 1], got {value!r}")
     return float(value)
@@ -123,7 +125,7 @@ def _parse_device(data: Any, path: str) -> DeviceSpec:
     for key in data:
         if key in ("name", "peak_flops"):
             continue
-        number = _number(data[key], f"device.{key}", path)
+        number = _number(data[key], f"device.{key}", path, allow_zero=key in _optional_fields(DeviceSpec))
         values[key] = int(number) if key in _INTEGERS else number
     if values["runtime_reserve_bytes"] >= values["mem_bytes"]:
         raise ValueError(
@@ -139,7 +141,7 @@ def _parse_link(data: Any, where: str, path: str) -> LinkSpec:
     values: dict[str, Any] = {"name": str(data["name"])}
     for key in data:
         if key != "name":
-            values[key] = _number(data[key], f"{where}.{key}", path)
+            values[key] = _number(data[key], f"{where}.{key}", path, allow_zero=key in _optional_fields(LinkSpec))
     return LinkSpec(**values)
 
 
@@ -218,3 +220,73 @@ class Cluster:
         (devices_per_node overrides the profile's, e.g. a 2-rank local run)."""
         path = Cluster.path(name_or_path)
         return parse_profile(read_profile(path), str(path), num_nodes=num_nodes, devices_per_node=devices_per_node)
+
+
+def _scalar(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return json.dumps(value)
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        value = float(f"{float(value):.6g}")  # 6 significant digits; numpy scalars print differently
+        if value != 0 and not 1e-3 <= abs(value) < 1e5:
+            # shortest exact form with a dot and a signed exponent, as YAML 1.1 (PyYAML) requires
+            return np.format_float_scientific(value, unique=True, trim="0", exp_digits=2)
+        return repr(value)
+    return json.dumps(str(value))
+
+
+def _plain(value: Any) -> Any:
+    """Builtin types only (str subclasses such as torch's version, numpy scalars, tuples), so the
+    `measured:` section stays safe YAML."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    return str(value)
+
+
+def dump_profile(spec: ClusterSpec, *, comments: Mapping[str, str] | None = None, description: str = "",
+                 measured: Mapping[str, Any] | None = None, header: tuple[str, ...] = ()) -> str:
+    """The profile as YAML text in the shipped format, `comments` ("device.matmul_efficiency" ->
+    source) beside each number, `measured` appended as a free-form section. parse_profile reads it back
+    to the same spec, floats to 6 significant digits."""
+    comments = dict(comments or {})
+    lines = [f"# {line}" for line in header]
+
+    def put(indent: int, key: str, value: Any, path: str) -> None:
+        note = " ".join(comments.get(path, "").split())
+        text = f"{'  ' * indent}{key}: {_scalar(value)}"
+        lines.append(f"{text:<40} # {note}" if note else text)
+
+    lines.append(f"schema_version: {SCHEMA_VERSION}")
+    put(0, "name", spec.name, "name")
+    put(0, "description", description or spec.name, "description")
+    put(0, "dtype", spec.dtype, "dtype")
+    put(0, "devices_per_node", spec.devices_per_node, "devices_per_node")
+    lines.append("device:")
+    for field in dataclasses.fields(DeviceSpec):
+        value = getattr(spec.device, field.name)
+        if field.name == "peak_flops":
+            lines.append("  peak_flops:")
+            for dtype, flops in value:
+                put(2, dtype, float(flops), f"device.peak_flops.{dtype}")
+        else:
+            put(1, field.name, value, f"device.{field.name}")
+    for level in ("intra_node", "inter_node"):
+        lines.append(f"{level}:")
+        for field in dataclasses.fields(LinkSpec):
+            put(1, field.name, getattr(getattr(spec, level), field.name), f"{level}.{field.name}")
+    if spec.notes:
+        lines.append("notes:")
+        lines += [f"  - {_scalar(note)}" for note in spec.notes]
+    text = "\n".join(lines) + "\n"
+    if measured:
+        text += yaml.safe_dump({"measured": _plain(measured)}, sort_keys=False, default_flow_style=None, width=120)
+    return text
