@@ -6,9 +6,9 @@ activation bytes a_jr; rank rho holds f_rho microbatches of activations; pinned 
 add (T_F, W_F, A_F) to stage 0 and (T_L, W_L, A_L) to stage S-1; memory limit M.
 
 Variables: n_qjr in Z>=0 (blocks of run j in stage q with option r); b_qj in {0,1} ("run j+1 has
-started by stage q"); T >= 0 (the slowest rank's time per microbatch).
+started by stage q"); T >= 0 (the slowest rank's time per microbatch); U >= 0 (the slowest stage).
 
-    minimise    T + eps * sum_qjr t_jr n_qjr                                   (objective, _objective)
+    minimise    T + eps * sum_qjr t_jr n_qjr + delta U                         (objective, _objective)
     subject to  sum_qr n_qjr = N_j                                    for all j   (_add_run_totals)
                 sum_jr n_qjr >= 1                                     for all q   (_add_nonempty)
                 C_{j+1}(q) <= N_{j+1} b_qj,  C_j(q) >= N_j b_qj       for q, j<J-1 (_add_order)
@@ -17,6 +17,9 @@ started by stage q"); T >= 0 (the slowest rank's time per microbatch).
                                                                       for all rho (_add_time)
                 sum_{q: rho(q)=rho} sum_jr (w_j + f_rho a_jr) n_qjr + (pinned) <= M
                                                                       for all rho (_add_memory)
+                sum_jr t_jr n_qjr + T_F[q=0] + T_L[q=S-1] <= U        for all q, if v > 1 (_add_chunk_time)
+delta = 1e-5 when v > 1 (else 0): among equally fast ranks, prefer evenly sized chunks, which the
+per-rank pipeline model cannot tell apart but interleaved schedules run better.
 Identical blocks are one run, so each kind of layer enters the model once, as counts.
 """
 
@@ -60,6 +63,8 @@ class _Index:
         self.num_n = self.s * self.j * self.r
         self.num_b = self.s * max(self.j - 1, 0)
         self.t = self.num_n + self.num_b
+        self.u = self.t + 1  # the slowest single stage (chunk): a secondary objective when v > 1
+        self.num_vars = self.t + 2
 
     def n(self, q: int, j: int, r: int) -> int:
         return (q * self.j + j) * self.r + r
@@ -108,6 +113,14 @@ def _add_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> N
         m.add(coeffs, -np.inf, -_pinned(problem, rank)[0] / scale)
 
 
+def _add_chunk_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> None:
+    for q in range(ix.s):
+        coeffs = {ix.n(q, j, r): problem.time_s[j][r] / scale for j in range(ix.j) for r in range(ix.r)}
+        coeffs[ix.u] = -1.0
+        pinned = (problem.first_time_s if q == 0 else 0.0) + (problem.last_time_s if q == ix.s - 1 else 0.0)
+        m.add(coeffs, -np.inf, -pinned / scale)
+
+
 def _add_memory(m: _Builder, ix: _Index, problem: StageProblem) -> None:
     limit = problem.mem_limit_bytes
     for rank in range(problem.num_ranks):
@@ -118,8 +131,9 @@ def _add_memory(m: _Builder, ix: _Index, problem: StageProblem) -> None:
 
 
 def _objective(ix: _Index, problem: StageProblem, scale: float) -> np.ndarray:
-    c = np.zeros(ix.t + 1)
+    c = np.zeros(ix.num_vars)
     c[ix.t] = 1.0
+    c[ix.u] = 1e-5 if problem.virtual_stages > 1 else 0.0  # balanced chunks, among equally fast ranks
     eps = 1e-4 / max(ix.s, 1)  # tie-break: among equally slow splits, the least total work
     for q in range(ix.s):
         for j in range(ix.j):
@@ -133,20 +147,22 @@ def solve_ilp(problem: StageProblem, *, time_limit_s: float = 10.0) -> StageSolu
     stops (time limit) without any solution."""
     ix = _Index(problem)
     scale = max(max(max(row) for row in problem.time_s), 1e-30)
-    builder = _Builder(ix.t + 1)
+    builder = _Builder(ix.num_vars)
     _add_run_totals(builder, ix, problem)
     _add_nonempty(builder, ix)
     if np.isfinite(problem.mem_limit_bytes):
         _add_memory(builder, ix, problem)
     _add_order(builder, ix, problem)
     _add_time(builder, ix, problem, scale)
-    integrality = np.ones(ix.t + 1)
-    integrality[ix.t] = 0
-    upper = np.full(ix.t + 1, np.inf)
+    if problem.virtual_stages > 1:
+        _add_chunk_time(builder, ix, problem, scale)
+    integrality = np.ones(ix.num_vars)
+    integrality[ix.t:] = 0
+    upper = np.full(ix.num_vars, np.inf)
     upper[ix.num_n:ix.t] = 1.0
     res = milp(_objective(ix, problem, scale), constraints=[builder.constraint()], integrality=integrality,
-               bounds=Bounds(np.zeros(ix.t + 1), upper),
-               options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6})
+               bounds=Bounds(np.zeros(ix.num_vars), upper),
+               options={"time_limit": time_limit_s, "mip_rel_gap": 1e-5})
     if res.x is None:
         if res.status == 2:  # proven infeasible: no split fits
             return None

@@ -180,20 +180,28 @@ class Space:
 def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions) -> Space:
     """Every legal candidate: mesh x microbatch x (schedule, v) x recompute x zero x sp."""
     num_blocks = ModelLimits.of(graph).num_blocks
-    rows: list[tuple[int, ...]] = []
     recomputes = [RECOMPUTES.index(r) for r in options.recompute]
+    blocks: list[np.ndarray] = []
     for tp, pp, dp, cp, ep in mesh_shapes(graph, cluster, options):
         per_replica = options.global_batch // (dp * ep)
         mbs = _allowed(divisors(per_replica), options.microbatch)
         zeros = [z for z in options.zero if dp * ep > 1 or z == 0]  # nothing to shard over one replica
-        sps = [s for s in options.sp if tp > 1 or not s]
-        scheds = schedule_choices(pp, num_blocks, options)
-        for mb in mbs:
-            for sched, v in scheds:
-                s_idx = SCHEDULES.index(sched)
-                for r in recomputes:
-                    for z in zeros:
-                        for sp in sps:
-                            rows.append((tp, pp, dp, cp, ep, int(sp), z, mb, s_idx, v, r))
-    table = np.array(rows, dtype=np.int64).reshape(-1, len(COLUMNS))
+        sps = [int(s) for s in options.sp if tp > 1 or not s]
+        scheds = [(SCHEDULES.index(s), v) for s, v in schedule_choices(pp, num_blocks, options)]
+        if not (mbs and zeros and sps and scheds and recomputes):
+            continue
+        # the product mb x (schedule, v) x recompute x zero x sp, in that nesting order
+        grid = np.stack(np.meshgrid(np.arange(len(mbs)), np.arange(len(scheds)), np.array(recomputes),
+                                    np.array(zeros), np.array(sps), indexing="ij"), axis=-1).reshape(-1, 5)
+        sched_v = np.array(scheds, dtype=np.int64)[grid[:, 1]]
+        rows = np.empty((len(grid), len(COLUMNS)), dtype=np.int64)
+        rows[:, :5] = (tp, pp, dp, cp, ep)
+        rows[:, 5] = grid[:, 4]
+        rows[:, 6] = grid[:, 3]
+        rows[:, 7] = np.array(mbs, dtype=np.int64)[grid[:, 0]]
+        rows[:, 8] = sched_v[:, 0]
+        rows[:, 9] = sched_v[:, 1]
+        rows[:, 10] = grid[:, 2]
+        blocks.append(rows)
+    table = np.concatenate(blocks) if blocks else np.zeros((0, len(COLUMNS)), dtype=np.int64)
     return Space({name: table[:, i] for i, name in enumerate(COLUMNS)})

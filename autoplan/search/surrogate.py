@@ -104,7 +104,8 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
         stages = cost.balanced_stages(graph, pp * v)
         bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
-        per_stage = cum[keys][:, bounds[1:]] - cum[keys][:, bounds[:-1]]  # [keys, S, F]
+        sub = cum[keys]
+        per_stage = sub[:, bounds[1:]] - sub[:, bounds[:-1]]  # [keys, S, F]
         per_rank = per_stage.reshape(len(keys), v, pp, len(FIELDS)).sum(axis=1)[inverse.reshape(-1)]
         cols = {k: col[idx] for k, col in c.items()}
         step[idx], peak[idx], act_out[idx] = _assemble(per_rank, out_bytes[key_of[idx]], work[key_of[idx]], cols,
