@@ -27,12 +27,14 @@ from autoplan.graph.layers import Taint
 Saved = dict[str, list[tuple[Any, int, bool]]]
 
 
-def saved_for_backward(ep: ExportedProgram, taint: Taint, seq_len: int, microbatch: int) -> Saved:
-    """Node name -> [(storage key, bytes, is attention scores)] of the tensors it saves for backward."""
+def saved_for_backward(ep: ExportedProgram, taint: Taint, seq_len: int, microbatch: int) -> tuple[Saved, str]:
+    """Node name -> [(storage key, bytes, is attention scores)] of the tensors it saves for backward;
+    and a note when the replay failed and the static rule was used instead ("" otherwise)."""
     try:
-        return _replay(ep, taint, seq_len, microbatch)
-    except Exception:  # noqa: BLE001 - an op without a fake kernel: fall back to the static rule
-        return _static_estimate(ep.graph, taint, seq_len, microbatch)
+        return _replay(ep, taint, seq_len, microbatch), ""
+    except Exception as exc:  # noqa: BLE001 - e.g. an op without a fake kernel: use the static rule
+        note = f"activation bytes estimated statically (autograd replay failed: {type(exc).__name__}: {exc})"
+        return _static_estimate(ep.graph, taint, seq_len, microbatch), note[:200]
 
 
 def is_scores(shape: tuple[int, ...], seq_len: int, microbatch: int) -> bool:

@@ -64,8 +64,11 @@ def capture(
     ep, method = _trace(shadow, args, kwargs)
     if rep_of:
         _keep_only(shadow, units.container, list(full_blocks))
-    built = _measure(ep, shadow, units, microbatch, seq_len)
+    built, note = _measure(ep, shadow, units, microbatch, seq_len)
     built = _expand(built, full_blocks, rep_of)
+    notes = [note] if note else []
+    if rep_of:
+        notes.append(f"{len(set(rep_of.values()))} distinct blocks traced, reused for {len(rep_of)}")
     vocab = max((m.num_embeddings for m in shadow.modules() if isinstance(m, nn.Embedding)), default=0)
     return LayerGraph(
         model_name=model_name or _name_of(model),
@@ -76,9 +79,7 @@ def capture(
         vocab_size=vocab,
         num_nodes=sum(layer.num_nodes for layer in built),
         capture_method=method,
-        notes=(f"{len(set(rep_of.values()))} distinct blocks traced, reused for {len(rep_of)}",)
-        if rep_of
-        else (),
+        notes=tuple(notes),
     )
 
 
@@ -216,7 +217,8 @@ def _trace_loud(
 
 def _measure(
     ep: ExportedProgram, model: nn.Module, units: layers.Units, microbatch: int, seq_len: int
-) -> list[Layer]:
+) -> tuple[list[Layer], str]:
+    """The measured layers of the traced graph, and a note on how activations were measured."""
     graph = ep.graph
     specs = ep.graph_signature.input_specs
     user = {s.arg.name for s in specs if s.kind is InputKind.USER_INPUT}
@@ -227,13 +229,13 @@ def _measure(
     }
     taint = layers.taint(graph, user, params)
     groups = layers.group_nodes(graph, units, model)
-    saved = activations.saved_for_backward(ep, taint, seq_len, microbatch)
+    saved, note = activations.saved_for_backward(ep, taint, seq_len, microbatch)
     owner = _param_owners(ep, model, groups)
     hint = layers.Hint()
     out = []
     for index, group in enumerate(groups):
         out.append(_layer(group, index, model, owner, taint, hint, saved, microbatch))
-    return out
+    return out, note
 
 
 def _param_owners(ep: ExportedProgram, model: nn.Module, groups: list[layers.Group]) -> dict[str, int]:
