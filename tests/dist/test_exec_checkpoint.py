@@ -110,3 +110,26 @@ def test_keeps_the_newest_checkpoints_and_reports_missing_ones(tmp_path: Path) -
     assert load_checkpoint(named, model_parts=[model], optimizers=[optimizer]) == 10
     with pytest.raises(ValueError, match="one optimizer per model part"):
         save_checkpoint(tmp_path, step=1, model_parts=[model, model], optimizers=[optimizer])
+
+
+def test_killed_run_resumes_under_another_plan_from_its_last_checkpoint(tmp_path: Path) -> None:
+    """torchrun end to end: dp2 (FSDP) saving every 2 steps loses rank 1 (SIGKILL) at the start of step 3; the
+    job fails naming rank 1, the step-2 checkpoint is the latest, and tp2 resumed from it reproduces the
+    uninterrupted reference for steps 2..5."""
+    import os
+
+    import autoplan
+    from autoplan.execute.launch import RunFailed
+    from autoplan.execute.worker import KILL_RANK_ENV, KILL_STEP_ENV
+
+    steps, quiet = 6, open(os.devnull, "w")
+    common = dict(steps=steps, global_batch=8, seq_len=16, checkpoint_dir=str(tmp_path), out=quiet)
+    with pytest.raises(RunFailed) as failure:
+        autoplan.execute(ParallelConfig(dp=2, zero=3), "tiny-gpt", save_every=2, timeout_s=30,
+                         env={KILL_RANK_ENV: "1", KILL_STEP_ENV: "3"}, **common)
+    assert failure.value.rank == 1, str(failure.value)
+    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+    resumed = autoplan.execute(ParallelConfig(tp=2, sp=True), "tiny-gpt", resume=str(tmp_path), **common)
+    torch.testing.assert_close(torch.tensor(resumed["losses"]),
+                               torch.tensor(reference("tiny-gpt", steps=steps)["losses"][SAVE_AT:]),
+                               rtol=1e-5, atol=1e-5)
