@@ -53,6 +53,8 @@ def capture(
     _check_size("microbatch", microbatch)
     if not isinstance(model, nn.Module):
         raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
     shadow = _meta_copy(model, dtype)
     shadow.train()
     args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
@@ -106,7 +108,13 @@ def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             )
         else:
             memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return copy.deepcopy(model, memo)
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as exc:
+        raise CaptureError(
+            f"cannot copy {type(model).__name__} to the meta device (deepcopy failed: "
+            f"{type(exc).__name__}: {exc}); build the model under `with torch.device('meta'):` and pass that"
+        ) from exc
 
 
 def _inputs(
@@ -152,7 +160,7 @@ def _representatives(model: nn.Module, units: layers.Units) -> dict[str, str]:
     container = modules[units.container]
     if len(units.blocks) < 2 or not isinstance(container, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
         return {}
-    if not all(layers._has_params(modules[b]) for b in units.blocks):
+    if not all(layers.has_params(modules[b]) for b in units.blocks):
         return {}
     firsts: dict[str, str] = {}
     rep_of = {b: firsts.setdefault(_signature(modules[b]), b) for b in units.blocks}

@@ -42,7 +42,7 @@ def find_units(model: nn.Module) -> Units:
     for path, module in modules.items():
         if not isinstance(module, _CONTAINERS):
             continue
-        kids = [c for c in module.children() if _has_params(c)]
+        kids = [c for c in module.children() if has_params(c)]
         same = max(Counter(type(c) for c in kids).values(), default=0)
         score = (same, len(kids), sum(p.numel() for c in kids for p in c.parameters()))
         if len(kids) >= 2 and score > best_score:
@@ -61,7 +61,7 @@ def _join(parent: str, name: str) -> str:
     return f"{parent}.{name}" if parent else name
 
 
-def _has_params(module: nn.Module) -> bool:
+def has_params(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
@@ -128,10 +128,10 @@ def _merge(ordered: list[tuple[str, list[fx.Node]]], blocks: set[str], model: nn
             role = LayerRole.BLOCK if unit in blocks else LayerRole.OTHER
         prev = groups[-1] if groups else None
         same_edge = prev is not None and prev.role is role and role in (LayerRole.EMBEDDING, LayerRole.HEAD)
-        if prev is not None and (same_edge or not _has_params(modules[unit])):
+        if prev is not None and (same_edge or not has_params(modules[unit])):
             prev.paths.append(unit)
             prev.nodes += nodes
-            if same_edge and role is LayerRole.HEAD and _has_params(modules[unit]):
+            if same_edge and role is LayerRole.HEAD and has_params(modules[unit]):
                 prev.name = unit  # the head layer is named after its last parameterised module
         else:
             groups.append(Group(name=unit, role=role, paths=[unit], nodes=list(nodes)))
