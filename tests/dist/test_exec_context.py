@@ -1,5 +1,6 @@
 """Context parallelism on gloo against the single-process model: cp2 (and cp4) with causal attention on
-tiny-gpt (learned positions) and tiny-llama (RoPE, grouped-query attention) over several SGD steps, and a
+tiny-gpt (learned positions) and tiny-llama (RoPE, grouped-query attention) over several SGD steps, with the
+all-gather and the ring core, and a
 cp2 x dp2 FSDP plan through apply_plan (cp with ep and pp: test_exec_experts.py)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from harness import assert_matches_reference, reference, run_plan, run_ranks
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autoplan.execute.context import ContextParallelCore, apply_context_parallel
+from autoplan.execute.context import CP_VARIANTS, apply_context_parallel
 from autoplan.models import preset
 from autoplan.plan.types import ParallelConfig
 
@@ -56,12 +57,13 @@ def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _cp_run(rank: int, world_size: int, name: str) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
+def _cp_run(rank: int, world_size: int, name: str, variant: str
+            ) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     torch.manual_seed(SEED)
     model = preset(name)
-    apply_context_parallel(model, cp_mesh=mesh["cp"])
-    assert all(isinstance(block.attn.core, ContextParallelCore) for block in model.layers.values())
+    apply_context_parallel(model, cp_mesh=mesh["cp"], variant=variant)
+    assert all(isinstance(block.attn.core, CP_VARIANTS[variant]) for block in model.layers.values())
     losses = _train(model, cp_rank=rank, cp=world_size, grad_mesh=mesh["cp"])
     offsets = [model.embed.position_offset] + [block.attn.position_offset for block in model.layers.values()]
     return losses, {n: p.detach() for n, p in model.named_parameters()}, offsets
@@ -75,10 +77,13 @@ def _check(results: list, ref_losses: list[float], ref_params: dict[str, torch.T
             torch.testing.assert_close(param, ref_params[name], msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("name,cp", [("tiny-gpt", 2), ("tiny-llama", 2), ("tiny-llama", 4)])
-def test_cp_training_equals_reference(name: str, cp: int) -> None:
+@pytest.mark.parametrize("name,cp,variant", [
+    ("tiny-gpt", 2, "allgather"), ("tiny-llama", 2, "allgather"), ("tiny-llama", 4, "allgather"),
+    ("tiny-llama", 2, "ring"), ("tiny-gpt", 4, "ring"),
+])
+def test_cp_training_equals_reference(name: str, cp: int, variant: str) -> None:
     ref_losses, ref_params = _reference(name)
-    results = run_ranks(_cp_run, cp, name)
+    results = run_ranks(_cp_run, cp, name, variant)
     _check(results, ref_losses, ref_params)
     for rank, (*_, offsets) in enumerate(results):  # positions numbered from this rank's first token
         assert set(offsets) == {rank * SEQ // cp}
