@@ -122,14 +122,15 @@ def test_killed_run_resumes_under_another_plan_from_its_last_checkpoint(tmp_path
     from autoplan.execute.launch import RunFailed
     from autoplan.execute.worker import KILL_RANK_ENV, KILL_STEP_ENV
 
-    steps, quiet = 6, open(os.devnull, "w")
-    common = dict(steps=steps, global_batch=8, seq_len=16, checkpoint_dir=str(tmp_path), out=quiet)
-    with pytest.raises(RunFailed) as failure:
-        autoplan.execute(ParallelConfig(dp=2, zero=3), "tiny-gpt", save_every=2, timeout_s=30,
-                         env={KILL_RANK_ENV: "1", KILL_STEP_ENV: "3"}, **common)
-    assert failure.value.rank == 1, str(failure.value)
-    assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
-    resumed = autoplan.execute(ParallelConfig(tp=2, sp=True), "tiny-gpt", resume=str(tmp_path), **common)
+    steps = 6
+    with open(os.devnull, "w") as quiet:
+        common = {"steps": steps, "global_batch": 8, "seq_len": 16, "checkpoint_dir": str(tmp_path), "out": quiet}
+        with pytest.raises(RunFailed) as failure:
+            autoplan.execute(ParallelConfig(dp=2, zero=3), "tiny-gpt", save_every=2, timeout_s=30,
+                             env={KILL_RANK_ENV: "1", KILL_STEP_ENV: "3"}, **common)
+        assert failure.value.rank == 1, str(failure.value)
+        assert latest_checkpoint(tmp_path) == tmp_path / "step-00000002"
+        resumed = autoplan.execute(ParallelConfig(tp=2, sp=True), "tiny-gpt", resume=str(tmp_path), **common)
     torch.testing.assert_close(torch.tensor(resumed["losses"]),
                                torch.tensor(reference("tiny-gpt", steps=steps)["losses"][SAVE_AT:]),
                                rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""Context-parallel masking without a process group: the global-position causal mask by hand, and chunked
-attention against full causal attention (the gather done by slicing)."""
+"""Context-parallel attention math without a process group: the global-position causal mask by hand, and
+chunked attention (the gather done by slicing) and ring blocks merged by log-sum-exp against full attention."""
 
 from __future__ import annotations
 
