@@ -8,7 +8,7 @@ wraps the parts in PipelineStages and a schedule last (pipeline.build_schedule).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -17,7 +17,13 @@ from autoplan.execute.context import apply_context_parallel
 from autoplan.execute.experts import apply_experts
 from autoplan.execute.fsdp import apply_data_parallel
 from autoplan.execute.mesh import SubMeshes
-from autoplan.execute.pipeline import check_stages, even_stages, extract_stage, local_stage_indices, num_stages
+from autoplan.execute.pipeline import (
+    check_stages,
+    even_stages,
+    extract_stage,
+    local_stage_indices,
+    num_stages,
+)
 from autoplan.execute.recompute import apply_recompute
 from autoplan.execute.tensor_parallel import apply_tensor_parallel
 from autoplan.models import Transformer

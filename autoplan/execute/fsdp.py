@@ -9,7 +9,7 @@ Dense parameters are data parallel over dp*ep*cp; expert parameters, sharded ove
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate

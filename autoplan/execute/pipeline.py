@@ -10,7 +10,7 @@ Gradients are averaged over microbatches (`scale_grads=True`, recorded in the re
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -49,7 +49,7 @@ def local_stage_indices(config: ParallelConfig, pp_rank: int) -> tuple[int, ...]
 def even_stages(model: Transformer, count: int) -> tuple[Stage, ...]:
     """Blocks split as evenly as possible (earlier stages take the remainder); embed on the first
     stage, norm and head on the last."""
-    names = [f"layers.{n}" for n in model.layers.keys()]
+    names = [f"layers.{n}" for n in model.layers]
     if count > len(names):
         raise ValueError(f"{count} pipeline stages but the model has only {len(names)} blocks: "
                          f"use pp * virtual_stages <= {len(names)}")
@@ -72,7 +72,7 @@ def check_stages(model: Transformer, stages: Sequence[Stage], count: int) -> Non
     order. Other names (embed, norm, head and their submodules) may be given or omitted: embed always
     runs on the first stage, norm and head on the last."""
     ordered = sorted(stages, key=lambda s: s.index)
-    expected = [f"layers.{n}" for n in model.layers.keys()]
+    expected = [f"layers.{n}" for n in model.layers]
     got = [name for stage in ordered for name in _blocks(stage)]
     if len(stages) != count or got != expected:
         raise ValueError(f"the plan's {len(stages)} stages hold blocks {got}, but pp * virtual_stages = {count} "
@@ -108,7 +108,7 @@ def build_schedule(parts: Sequence[nn.Module], indices: Sequence[int], config: P
     """Wrap the local stage modules in PipelineStages and the plan's schedule."""
     n = num_stages(config)
     stages = [PipelineStage(part, index, n, device, group=pp_group) for part, index in zip(parts, indices)]
-    kwargs = dict(n_microbatches=num_microbatches, loss_fn=loss_fn, scale_grads=SCALE_GRADS)
+    kwargs = {"n_microbatches": num_microbatches, "loss_fn": loss_fn, "scale_grads": SCALE_GRADS}
     schedule_cls = _schedule_class(config)
     if issubclass(schedule_cls, PipelineScheduleSingle):
         if len(stages) != 1:

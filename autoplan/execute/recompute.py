@@ -5,7 +5,7 @@ whose activations grow with S^2, is re-run in backward); full (only each block's
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     _CHECKPOINT_PREFIX,

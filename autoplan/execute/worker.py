@@ -16,8 +16,8 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 KILL_RANK_ENV, KILL_STEP_ENV = "AUTOPLAN_TEST_KILL_RANK", "AUTOPLAN_TEST_KILL_STEP"  # test hook only
 
@@ -64,7 +64,7 @@ def _run(args: argparse.Namespace, rank: int) -> None:
 
     plan, global_batch, seq_len = read_plan(args.plan, global_batch=args.global_batch, seq_len=args.seq_len)
     cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout_s))
@@ -81,7 +81,7 @@ def _run(args: argparse.Namespace, rank: int) -> None:
         if args.report:
             with open(args.report, "w") as f:
                 f.write(text)
-        print(f"autoplan run: losses {['%.6f' % x for x in result.losses]}, step time "
+        print(f"autoplan run: losses {[f'{x:.6f}' for x in result.losses]}, step time "
               f"{out['step_time_s']:.4f} s (median after the first)", flush=True)
     dist.barrier()  # before destroy after DTensor work (TORCH_NOTES.md)
     dist.destroy_process_group()
@@ -89,9 +89,10 @@ def _run(args: argparse.Namespace, rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    rank = int(os.environ.get("RANK", 0))
+    rank = int(os.environ.get("RANK", "0"))
     os.makedirs(args.run_dir, exist_ok=True)
-    stack_file = open(os.path.join(args.run_dir, f"stack-{rank}.txt"), "w")
+    # kept open for the life of the process: faulthandler writes to it on SIGTERM
+    stack_file = open(os.path.join(args.run_dir, f"stack-{rank}.txt"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGTERM, file=stack_file, all_threads=True, chain=True)
     try:
         _run(args, rank)

@@ -12,12 +12,13 @@ import shutil
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.tensor  # noqa: F401  (import before forking, see TORCH_NOTES.md)
+import torch.distributed.tensor
 import torch.multiprocessing as mp
 
 GRACE_S = 3.0  # after the first rank fails, how long the others get to report their own error
@@ -78,7 +79,8 @@ def _collect(tmp: str, world_size: int, killed: list[int], deadline_s: float) ->
     for rank in range(world_size):
         path = os.path.join(tmp, f"error-{rank}.txt")
         if os.path.exists(path):
-            stamp, text = open(path).read().split("\n", 1)
+            with open(path) as f:
+                stamp, text = f.read().split("\n", 1)
             errors.append((float(stamp), rank, text))
     if errors or killed:
         parts = [f"--- rank {rank} failed:\n{text}" for _, rank, text in sorted(errors)]

@@ -152,8 +152,8 @@ def test_diagnose_blames_the_rank_that_failed_on_its_own(tmp_path) -> None:
 def test_diagnose_names_a_killed_rank_over_its_peers_errors(tmp_path) -> None:
     _error(tmp_path, 0, 1.0, "RuntimeError", "[gloo] Connection closed by peer [127.0.0.1]:123")
     assert diagnose(str(tmp_path), TORCHRUN_SUMMARY) == (
-        3, "rank 3 died: killed by signal SIGKILL (the process had no chance to report a Python traceback); "
-           "the other ranks were stopped")
+        3, ("rank 3 died: killed by signal SIGKILL (the process had no chance to report a Python traceback); "
+            "the other ranks were stopped"))
 
 
 def test_diagnose_points_at_silent_ranks_after_a_timeout(tmp_path) -> None:
