@@ -46,13 +46,14 @@ def expert_major_index(recv_counts: torch.Tensor) -> torch.Tensor:
     rank 0's rows, sorted by expert, then rank 1's, ...). The result `idx` makes `received[idx]` hold all
     rows of local expert 0 (source 0 first, then source 1, ...), then local expert 1, and so on.
     """
+    device = recv_counts.device
     flat = recv_counts.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view_as(recv_counts)
     counts_em = recv_counts.t().reshape(-1)  # blocks in expert-major order
     starts_em = starts.t().reshape(-1)
-    block = torch.repeat_interleave(torch.arange(counts_em.numel()), counts_em)
+    block = torch.repeat_interleave(torch.arange(counts_em.numel(), device=device), counts_em)
     block_begin = torch.cumsum(counts_em, 0) - counts_em
-    within = torch.arange(block.numel()) - block_begin[block]
+    within = torch.arange(block.numel(), device=device) - block_begin[block]
     return starts_em[block] + within
 
 
