@@ -15,7 +15,7 @@ from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.ilp import solve_ilp
 from autoplan.search.space import SCHEDULES
-from autoplan.search.stages import StageProblem, StageSolution, solve_dp
+from autoplan.search.stages import StageProblem, StageSolution, evaluate, fits, solve_dp
 from autoplan.search.surrogate import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, inflight
 
 
@@ -66,13 +66,15 @@ def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfi
     pinned = [[layer_cost(i, Recompute.NONE) for i in rng] for rng in (range(lo), range(hi + 1, len(graph.layers)))]
     work = max(layer_cost(i, mode).work_mem_bytes if hasattr(layer_cost(i, mode), "work_mem_bytes") else 0
                for i in run_first for mode in modes)
+    # ZeRO-3 holds two layers' gathered 16-bit weights (the one computing and the one prefetched)
+    gathered = 2 * WEIGHT_BYTES * max(c.param_count for c in costs.values()) if config.zero == 3 else 0.0
     problem = StageProblem(
         run_sizes=tuple(len(r) for r in runs),
         time_s=tuple(tuple(layer_cost(i, mode).time_s for mode in modes) for i in run_first),
         static_bytes=tuple(_static_bytes(layer_cost(i, modes[0]), config) for i in run_first),
         act_bytes=tuple(tuple(float(layer_cost(i, mode).act_mem_bytes) for mode in modes) for i in run_first),
         num_ranks=config.pp, virtual_stages=config.virtual_stages, inflight=tuple(float(x) for x in f),
-        mem_limit_bytes=float(cluster.device.mem_bytes - cluster.device.runtime_reserve_bytes - work),
+        mem_limit_bytes=float(cluster.device.mem_bytes - cluster.device.runtime_reserve_bytes - work - gathered),
         first_time_s=sum(c.time_s for c in pinned[0]),
         first_static_bytes=sum(_static_bytes(c, config) for c in pinned[0]),
         first_act_bytes=float(sum(c.act_mem_bytes for c in pinned[0])),
@@ -112,13 +114,50 @@ def decode(graph: LayerGraph, config: ParallelConfig, runs: list[list[str]], sol
                   layer_recompute=overrides, solution=solution)
 
 
+def _near_ideal(problem: StageProblem, config: ParallelConfig, modes: tuple[Recompute, ...], graph: LayerGraph,
+                cost_model: Any, tolerance: float = 0.005) -> bool:
+    """Whether the balanced split with no recompute fits and is within `tolerance` of the lower bound
+    (all work, with each run's fastest option, spread evenly over the ranks)."""
+    if Recompute.NONE not in modes:
+        return False
+    total = problem.first_time_s + problem.last_time_s + sum(
+        n * min(t) for n, t in zip(problem.run_sizes, problem.time_s))
+    bound = max(total / problem.num_ranks, problem.first_time_s, problem.last_time_s)
+    blocks = {layer.name for layer in graph.blocks}
+    run_of = {name: j for j, run in enumerate(_runs_of(problem, graph)) for name in run}
+    none = modes.index(Recompute.NONE)
+    counts = []
+    for stage in cost_model.balanced_stages(graph, problem.num_stages):
+        per_run = [[0] * problem.num_options for _ in problem.run_sizes]
+        for name in stage:
+            if name in blocks:
+                per_run[run_of[name]][none] += 1
+        counts.append(tuple(tuple(x) for x in per_run))
+    try:
+        current = evaluate(problem, tuple(counts))
+    except ValueError:
+        return False
+    return fits(problem, current) and current.time_s <= bound * (1 + tolerance)
+
+
+def _runs_of(problem: StageProblem, graph: LayerGraph) -> list[list[str]]:
+    names = [layer.name for layer in graph.blocks]
+    out, start = [], 0
+    for size in problem.run_sizes:
+        out.append(names[start:start + size])
+        start += size
+    return out
+
+
 def refine(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
-           modes: tuple[Recompute, ...], cost_model: Any, time_limit_s: float = 5.0) -> Layout | None:
+           modes: tuple[Recompute, ...], cost_model: Any, time_limit_s: float = 3.0) -> Layout | None:
     """The fastest stage split and per-layer recompute for `config` (None when no split fits)."""
     if not any(layer.role is LayerRole.BLOCK for layer in graph.layers):
         return None
     problem, runs = build_problem(graph, cluster, config, global_batch=global_batch, modes=modes,
                                   cost_model=cost_model)
+    if config.recompute is Recompute.NONE and _near_ideal(problem, config, modes, graph, cost_model):
+        return None  # already within 0.5 % of a perfectly even split with no recompute: nothing to gain
     try:
         solution = solve_ilp(problem, time_limit_s=time_limit_s)
     except RuntimeError:

@@ -21,10 +21,11 @@ from autoplan.search.refine import refine
 from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space
 from autoplan.search.surrogate import Quick, quick_estimate
 
-QUICK_MEM_SLACK = 1.3  # the quick estimate may be this far off memory-wise; the exact one decides
-SHORTLIST = 48  # candidates per round of exact estimates
-MAX_EXACT = 480  # exact estimates before giving up on finding top_k that fit
-REFINE_BUDGET_S = 6.0
+QUICK_MEM_SLACK = 1.05  # the quick memory estimate mirrors the exact one (checked to 0.1 %); the exact one decides
+SHORTLIST = 32  # candidates per round of exact estimates
+MAX_EXACT = 160  # at most this many exact estimates
+STOP_MARGIN = 1.02  # stop once the next quick estimate is this much slower than the k-th exact time
+REFINE_BUDGET_S = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +59,8 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
 
 
 def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, status) -> list[Candidate]:
-    """Exact estimates of the quickest plausible candidates, in rounds, until top_k fit."""
+    """Exact estimates of the quickest plausible candidates, in rounds, until top_k fit and the next
+    candidate's quick estimate is clearly slower than the k-th best exact time."""
     cap = cluster.device.mem_bytes
     plausible = np.nonzero(quick.peak_mem_bytes <= cap * QUICK_MEM_SLACK)[0]
     if len(plausible) > MAX_EXACT:
@@ -66,7 +68,11 @@ def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, sta
     order = plausible[np.argsort(quick.step_time_s[plausible], kind="stable")]
     found: list[Candidate] = []
     done = 0
-    while done < min(len(order), MAX_EXACT):
+    while done < len(order):
+        if len(found) >= options.top_k:
+            kth = sorted(c.estimate.step_time_s for c in found)[options.top_k - 1]
+            if quick.step_time_s[order[done]] > kth * STOP_MARGIN:
+                break
         batch = order[done:done + SHORTLIST]
         status(f"exact estimates {done + 1}-{done + len(batch)} of {len(order):,} plausible candidates")
         for row in batch.tolist():
@@ -75,8 +81,6 @@ def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, sta
             if est.fits:
                 found.append(Candidate(config=config, estimate=est, row=row))
         done += len(batch)
-        if len(found) >= options.top_k:
-            break
     return found
 
 

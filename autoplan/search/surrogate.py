@@ -19,11 +19,14 @@ from autoplan.plan.types import ParallelConfig, Schedule
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
-FIELDS = ("time", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work")
+FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work")
 _KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute")
 # mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32 master, momentum, variance) bytes
 # per parameter (Rajbhandari et al., ZeRO, 2020, section 3.1)
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2.0, 2.0, 12.0
+# Adam over the local shard, memory-bound: read + write 12 bytes of fp32 states, read the 16-bit gradient
+# twice, write the 16-bit weights (the cost model's ADAM_BYTES_PER_PARAM)
+ADAM_BYTES = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,8 +61,8 @@ def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any
 
 
 def _fields(c: Any) -> tuple[float, ...]:
-    return (c.time_s, c.bwd_weight_s, c.act_mem_bytes, c.param_count, c.grad_param_count,
-            c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0))
+    return (c.time_s, c.fwd_s + getattr(c, "fwd_comm_s", 0.0), c.bwd_weight_s, c.act_mem_bytes, c.param_count,
+            c.grad_param_count, c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0))
 
 
 def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
@@ -79,77 +82,118 @@ def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
     return np.minimum(out, m2)
 
 
-def _ring_s(nbytes: np.ndarray, n: np.ndarray, span: np.ndarray, cluster: ClusterSpec, passes: float) -> np.ndarray:
-    """passes * (n - 1)/n * S / BW on the link level the group reaches (ring; FORMULAS.md)."""
-    intra, inter = cluster.intra_node, cluster.inter_node
-    inside = (span <= cluster.devices_per_node) & (cluster.devices_per_node % np.maximum(span, 1) == 0)
-    bw = np.where(inside, intra.bw_bytes_per_s * intra.allreduce_busbw_fraction,
-                  inter.bw_bytes_per_s * inter.allreduce_busbw_fraction)
-    return passes * (n - 1) / np.maximum(n, 1) * nbytes / bw
+_COMM = ("ar_dense", "rs_dense", "ag_dense", "ar_expert", "rs_expert", "ag_expert", "p2p")
+
+
+def comm_lines(space: Space, cluster: ClusterSpec, cost: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Per candidate, (alpha, beta) with time = alpha + beta * bytes for the collectives of its mesh, from
+    the cost model's own functions (two sizes per unique mesh; exact for its ring formulas)."""
+    c = space.columns
+    mesh = np.stack([c[k] for k in ("tp", "pp", "dp", "cp", "ep")], axis=1)
+    uniq, inverse = np.unique(mesh, axis=0, return_inverse=True)
+    lines = np.zeros((len(uniq), len(_COMM), 2))
+    s1, s2 = 1e8, 2e8
+    for i, (tp, pp, dp, cp, ep) in enumerate(uniq.tolist()):
+        config = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
+        dense = cost.group_placement(config, ("dp", "ep", "cp"), cluster.devices_per_node)
+        expert = cost.group_placement(config, ("dp", "cp"), cluster.devices_per_node)
+        cross = cost.group_placement(config, ("pp",), cluster.devices_per_node).crosses_nodes
+        fns = (lambda b: cost.all_reduce_s(b, dense, cluster), lambda b: cost.reduce_scatter_s(b, dense, cluster),
+               lambda b: cost.all_gather_s(b, dense, cluster), lambda b: cost.all_reduce_s(b, expert, cluster),
+               lambda b: cost.reduce_scatter_s(b, expert, cluster), lambda b: cost.all_gather_s(b, expert, cluster),
+               lambda b: cost.p2p_s(b, cross, cluster))
+        for k, fn in enumerate(fns):
+            t1, t2 = fn(s1), fn(s2)
+            beta = (t2 - t1) / (s2 - s1)
+            lines[i, k] = (t1 - beta * s1, beta)
+    per = lines[inverse.reshape(-1)]
+    return {name: (per[:, k, 0], per[:, k, 1]) for k, name in enumerate(_COMM)}
+
+
+def _t(line: tuple[np.ndarray, np.ndarray], nbytes: np.ndarray) -> np.ndarray:
+    alpha, beta = line
+    if nbytes.ndim == 2:
+        alpha, beta = alpha[:, None], beta[:, None]
+    return np.where(nbytes > 0, alpha + beta * nbytes, 0.0)
 
 
 def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global_batch: int, cost: Any) -> Quick:
     """Step time and peak memory of every candidate with the balanced split and uniform recompute."""
     key_of, table = layer_table(graph, cluster, space, cost)
+    lines = comm_lines(space, cluster, cost)
     c = space.columns
     n = len(space)
     step, peak, act_out = np.zeros(n), np.zeros(n), np.zeros(n)
     names = {layer.name: i for i, layer in enumerate(graph.layers)}
     block = next((i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK), 0)
-    out_bytes = table[:, block, FIELDS.index("out_bytes")]  # what a pipeline cut sends, per key
-    work = table[:, :, FIELDS.index("work")].max(axis=1)
+    per_key = {"out_bytes": table[:, block, FIELDS.index("out_bytes")],  # what a pipeline cut sends
+               "work": table[:, :, FIELDS.index("work")].max(axis=1),
+               "max_params": table[:, :, FIELDS.index("params")].max(axis=1)}
     cum = np.concatenate([np.zeros((table.shape[0], 1, table.shape[2])), np.cumsum(table, axis=1)], axis=1)
     for pp, v in sorted(set(zip(c["pp"].tolist(), c["virtual_stages"].tolist()))):
         idx = np.nonzero((c["pp"] == pp) & (c["virtual_stages"] == v))[0]
         stages = cost.balanced_stages(graph, pp * v)
         bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
+        layers_per_rank = np.diff(bounds).reshape(v, pp).sum(axis=0)
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
         sub = cum[keys]
         per_stage = sub[:, bounds[1:]] - sub[:, bounds[:-1]]  # [keys, S, F]
         per_rank = per_stage.reshape(len(keys), v, pp, len(FIELDS)).sum(axis=1)[inverse.reshape(-1)]
         cols = {k: col[idx] for k, col in c.items()}
-        step[idx], peak[idx], act_out[idx] = _assemble(per_rank, out_bytes[key_of[idx]], work[key_of[idx]], cols,
-                                                       pp, v, global_batch, cluster)
+        extra = {k: val[key_of[idx]] for k, val in per_key.items()}
+        sel = {k: (a[idx], b[idx]) for k, (a, b) in lines.items()}
+        step[idx], peak[idx], act_out[idx] = _assemble(per_rank, layers_per_rank, extra, sel, cols, pp, v,
+                                                       global_batch, cluster)
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
 
 
-def _assemble(per_rank: np.ndarray, out_bytes: np.ndarray, work: np.ndarray, c: dict[str, np.ndarray], pp: int, v: int,
+def _assemble(per_rank: np.ndarray, layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
+              lines: dict[str, tuple[np.ndarray, np.ndarray]], c: dict[str, np.ndarray], pp: int, v: int,
               global_batch: int, cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The cost model's assembly (estimate_config) in closed form over [candidates, ranks] arrays."""
     f = {name: per_rank[:, :, i] for i, name in enumerate(FIELDS)}
-    replicas = c["dp"] * c["ep"]
-    m = global_batch // (replicas * c["microbatch"])
-    t_max = f["time"].max(axis=1)
-    sched = c["schedule"]
-    # bubble: (p - 1)/v slots of the slowest rank (GPipe / 1F1B / interleaved, Narayanan et al. 2021);
-    # zero-bubble schedules fill about two thirds of it (ZB-H1, Qi et al. 2024)
-    bubble = np.where(sched == SCHEDULES.index(Schedule.ZERO_BUBBLE), 1.0 / 3.0, 1.0) * (pp - 1) / v
-    pipe = (m + bubble) * t_max
-    # pipeline sends: forward activation and backward gradient at each of the v cuts per microbatch
-    p2p_bw = cluster.inter_node.bw_bytes_per_s * cluster.inter_node.p2p_bw_fraction
-    pp_comm = np.where(pp > 1, 2.0 * v * m * out_bytes / p2p_bw, 0.0)
-    # data-parallel gradients: dense over dp*ep*cp, experts over dp*cp; ZeRO 0-2 reduce once per step
-    # (an all-reduce, or reduce-scatter + all-gather: the same bytes), overlapped with the last
-    # microbatch's backward; ZeRO-3 also all-gathers the weights in forward and backward every microbatch
-    inner = c["tp"] * c["cp"] * c["ep"]
-    dense_n, expert_n = replicas * c["cp"], c["dp"] * c["cp"]
-    dense_b = f["dense_params"].max(axis=1) * GRAD_BYTES
-    expert_b = f["expert_params"].max(axis=1) * GRAD_BYTES
-    span = c["dp"] * inner
-    grad_s = _ring_s(dense_b, dense_n, span, cluster, 2.0) + _ring_s(expert_b, expert_n, span, cluster, 2.0)
-    dp_exposed = np.maximum(0.0, grad_s - 0.5 * t_max)
-    gather_s = 2.0 * m * (_ring_s(dense_b, dense_n, span, cluster, 1.0) + _ring_s(expert_b, expert_n, span, cluster, 1.0))
-    dp_exposed += np.where(c["zero"] >= 3, np.maximum(0.0, gather_s - 0.5 * m * t_max), 0.0)
-    # memory per rank: model states with ZeRO sharding, activations times microbatches in flight
-    shard_params = f["dense_params"] / dense_n[:, None] + f["expert_params"] / expert_n[:, None]
+    m = global_batch // (c["dp"] * c["ep"] * c["microbatch"])
     z = c["zero"][:, None]
-    states = (np.where(z >= 3, shard_params, f["params"]) * WEIGHT_BYTES
-              + np.where(z >= 2, shard_params, f["params"]) * GRAD_BYTES
-              + np.where(z >= 1, shard_params, f["params"]) * OPTIMIZER_BYTES)
-    acts = f["act"] * inflight(sched, pp, v, m)
-    mem = states + acts + work[:, None]
-    params_local = np.where(z >= 1, shard_params, f["params"]).max(axis=1)
-    optimizer_s = params_local * (OPTIMIZER_BYTES + WEIGHT_BYTES + GRAD_BYTES) * 2 / (
-        cluster.device.mem_bw_bytes_per_s * cluster.device.mem_bw_efficiency)
-    step = pipe + pp_comm + dp_exposed + optimizer_s
-    peak = mem.max(axis=1) + cluster.device.runtime_reserve_bytes
-    return step, peak, acts.max(axis=1)
+    n_layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
+    fwd, bwd = f["fwd"], f["time"] - f["fwd"]
+    # pipeline cuts: each rank sends forward and receives backward about v times per microbatch
+    hops = (2.0 * v * _t(lines["p2p"], extra["out_bytes"]))[:, None] if pp > 1 else 0.0
+    # ZeRO: 16-bit weight gathers and gradient reduce-scatters, prefetched / bucketed on a second stream;
+    # what the layers' compute does not hide is exposed (cost.overlap.exposed_s, closed form for equal
+    # layers: the uncovered excess plus one layer's collective)
+    wbytes, gbytes = f["dense_params"] * WEIGHT_BYTES, f["dense_params"] * GRAD_BYTES
+    ebytes, egbytes = f["expert_params"] * WEIGHT_BYTES, f["expert_params"] * GRAD_BYTES
+    gather = _t(lines["ag_dense"], wbytes) + _t(lines["ag_expert"], ebytes)
+    scatter = _t(lines["rs_dense"], gbytes) + _t(lines["rs_expert"], egbytes)
+    reduce = np.where(z >= 1, scatter, _t(lines["ar_dense"], gbytes) + _t(lines["ar_expert"], egbytes))
+    z3_fwd = np.maximum(gather - fwd, 0.0) + gather / n_layers
+    z3_bwd = np.maximum(gather + scatter - bwd, 0.0) + (gather + scatter) / n_layers
+    z2_bwd = np.maximum(scatter - bwd, 0.0) + scatter / n_layers
+    per_mb_dp = np.where(z == 3, z3_fwd + z3_bwd, np.where(z == 2, z2_bwd, 0.0))
+    x = f["time"] + hops + per_mb_dp
+    bwd_all = bwd + per_mb_dp
+    # pipeline_time_s: m max_r X_r + (sum_r Y_r - max_r Y_r) / v'
+    zb = (c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE))[:, None]
+    y = np.where(zb, np.maximum(x - (2.0 if v == 1 else 3.0) * f["bwd_weight"], 0.0), x)
+    chunks = np.where((c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED)) | zb[:, 0], v, 1)
+    pipe = m * x.max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
+    # ZeRO-0/1: one reduction per step after the last microbatch, overlapped with that backward; rank r
+    # finishes its last backward sum_{k<r} B_k before rank 0 does
+    tail = np.maximum(reduce - bwd_all, 0.0) + reduce / n_layers
+    offsets = np.cumsum(bwd_all, axis=1) - bwd_all
+    dp_tail = np.where(c["zero"] <= 1, np.maximum((tail - offsets).max(axis=1), 0.0), 0.0)
+    # ZeRO-1/2: all-gather the updated 16-bit weights after the optimizer step (exposed)
+    param_gather = np.where((c["zero"] == 1) | (c["zero"] == 2), gather.max(axis=1), 0.0)
+    dense_n, expert_n = c["dp"] * c["ep"] * c["cp"], c["dp"] * c["cp"]
+    shard = f["dense_params"] / dense_n[:, None] + f["expert_params"] / expert_n[:, None]
+    local = np.where(z >= 1, shard, f["params"]).max(axis=1)
+    optimizer_s = local * ADAM_BYTES / (cluster.device.mem_bw_bytes_per_s * cluster.device.mem_bw_efficiency)
+    step = pipe + dp_tail + param_gather + optimizer_s
+    # memory per rank: model states with ZeRO sharding (+ ZeRO-3's two gathered layers), activations times
+    # microbatches in flight, one layer's backward working set, the runtime reserve
+    states = (np.where(z >= 3, shard, f["params"]) * WEIGHT_BYTES + np.where(z >= 2, shard, f["params"]) * GRAD_BYTES
+              + np.where(z >= 1, shard, f["params"]) * OPTIMIZER_BYTES)
+    states += np.where(z == 3, 2.0 * extra["max_params"][:, None] * WEIGHT_BYTES, 0.0)
+    acts = f["act"] * inflight(c["schedule"], pp, v, m)
+    mem = states + acts + extra["work"][:, None]
+    return step, mem.max(axis=1) + cluster.device.runtime_reserve_bytes, acts.max(axis=1)
