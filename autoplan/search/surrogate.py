@@ -98,12 +98,11 @@ def comm_lines(space: Space, cluster: ClusterSpec, cost: Any) -> dict[str, tuple
         dense = cost.group_placement(config, ("dp", "ep", "cp"), cluster.devices_per_node)
         expert = cost.group_placement(config, ("dp", "cp"), cluster.devices_per_node)
         cross = cost.group_placement(config, ("pp",), cluster.devices_per_node).crosses_nodes
-        fns = (lambda b: cost.all_reduce_s(b, dense, cluster), lambda b: cost.reduce_scatter_s(b, dense, cluster),
-               lambda b: cost.all_gather_s(b, dense, cluster), lambda b: cost.all_reduce_s(b, expert, cluster),
-               lambda b: cost.reduce_scatter_s(b, expert, cluster), lambda b: cost.all_gather_s(b, expert, cluster),
-               lambda b: cost.p2p_s(b, cross, cluster))
-        for k, fn in enumerate(fns):
-            t1, t2 = fn(s1), fn(s2)
+        calls = ((cost.all_reduce_s, dense), (cost.reduce_scatter_s, dense), (cost.all_gather_s, dense),
+                 (cost.all_reduce_s, expert), (cost.reduce_scatter_s, expert), (cost.all_gather_s, expert),
+                 (cost.p2p_s, cross))
+        for k, (fn, group) in enumerate(calls):
+            t1, t2 = fn(s1, group, cluster), fn(s2, group, cluster)
             beta = (t2 - t1) / (s2 - s1)
             lines[i, k] = (t1 - beta * s1, beta)
     per = lines[inverse.reshape(-1)]

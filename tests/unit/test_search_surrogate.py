@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from test_cost_graph_helper import a100_cluster, gpt_graph
 
-import autoplan.cost as cost
+from autoplan import cost
 from autoplan.search.space import SearchOptions, enumerate_space
 from autoplan.search.surrogate import quick_estimate
 
