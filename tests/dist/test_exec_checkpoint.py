@@ -41,7 +41,8 @@ def _run(model_name: str, config: ParallelConfig, **options) -> dict:
 @pytest.mark.parametrize("model_name,before,after", [
     ("tiny-llama", ParallelConfig(tp=2, recompute="full"), ParallelConfig(pp=2, schedule="1f1b", microbatch=2)),
     ("tiny-moe", ParallelConfig(ep=2, dp=2, zero=3), ParallelConfig(dp=2, zero=0)),
-], ids=["tp2-recompute-to-pp2", "ep2xdp2-to-replicate-dp2"])
+    ("tiny-moe", ParallelConfig(ep=2, zero=0), ParallelConfig(ep=4, zero=2)),
+], ids=["tp2-recompute-to-pp2", "ep2xdp2-to-replicate-dp2", "ep2-to-ep4"])
 def test_resume_under_another_plan_continues_the_loss_curve(tmp_path: Path, model_name: str,
                                                              before: ParallelConfig, after: ParallelConfig) -> None:
     ref = reference(model_name, steps=STEPS)
