@@ -120,16 +120,26 @@ def diagnose(run_dir: str, launcher_output: str) -> tuple[int | None, str]:
                           f"a Python traceback); the other ranks were stopped")
     if errors:
         e = errors[0]
-        silent = _silent_ranks(run_dir, errors)
-        hint = f"; ranks {silent} reported nothing (hung or killed?): see {run_dir}/stack-<rank>.txt" if silent else ""
-        return e["rank"], f"rank {e['rank']} failed: {e['type']}: {e['message']}{hint}\n{e['traceback']}"
+        stopped = _stopped_ranks(run_dir, errors)
+        if stopped:
+            rank, stack = stopped[0]
+            return rank, (f"rank {rank} hung: it reported no error and was still running when the launcher "
+                          f"stopped the job after rank {e['rank']} failed waiting for it ({e['type']}: "
+                          f"{e['message']}); rank {rank}'s stack when stopped:\n{stack}")
+        return e["rank"], f"rank {e['rank']} failed: {e['type']}: {e['message']}\n{e['traceback']}"
     return None, "the job failed without any rank reporting an error; the launcher said:\n" + \
         "".join(launcher_output.splitlines(keepends=True)[-40:])
 
 
-def _silent_ranks(run_dir: str, errors: list[Mapping[str, Any]]) -> list[int]:
-    started = {int(Path(p).stem.split("-")[1]) for p in glob.glob(os.path.join(run_dir, "stack-*.txt"))}
-    return sorted(started - {e["rank"] for e in errors})
+def _stopped_ranks(run_dir: str, errors: list[Mapping[str, Any]]) -> list[tuple[int, str]]:
+    """(rank, stack) of the ranks that reported no error but dumped their stack on the launcher's SIGTERM."""
+    failed = {e["rank"] for e in errors}
+    out = []
+    for path in glob.glob(os.path.join(run_dir, "stack-*.txt")):
+        rank, stack = int(Path(path).stem.split("-")[1]), Path(path).read_text()
+        if rank not in failed and stack.strip():
+            out.append((rank, stack))
+    return sorted(out)
 
 
 def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: str, *, steps: int,

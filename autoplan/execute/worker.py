@@ -19,7 +19,9 @@ import traceback
 from collections.abc import Callable
 from datetime import timedelta
 
-KILL_RANK_ENV, KILL_STEP_ENV = "AUTOPLAN_TEST_KILL_RANK", "AUTOPLAN_TEST_KILL_STEP"  # test hook only
+# test hook only: make rank KILL_RANK fail at the start of step KILL_STEP, by FAULT: "kill" (SIGKILL,
+# the default), "hang" (sleep for an hour) or "raise" (a RuntimeError)
+KILL_RANK_ENV, KILL_STEP_ENV, FAULT_ENV = "AUTOPLAN_TEST_KILL_RANK", "AUTOPLAN_TEST_KILL_STEP", "AUTOPLAN_TEST_FAULT"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,14 +45,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _kill_hook(rank: int) -> Callable[[int], None] | None:
-    """Test hook: SIGKILL this rank at the start of a step, when both environment variables say so."""
+    """Test hook: inject a fault into this rank at the start of a step, when the environment says so."""
     if os.environ.get(KILL_RANK_ENV) is None or os.environ.get(KILL_STEP_ENV) is None:
         return None
     kill_rank, kill_step = int(os.environ[KILL_RANK_ENV]), int(os.environ[KILL_STEP_ENV])
+    fault = os.environ.get(FAULT_ENV, "kill")
+    if fault not in ("kill", "hang", "raise"):
+        raise ValueError(f"{FAULT_ENV}={fault!r}: use kill, hang or raise")
 
     def hook(step: int) -> None:
-        if rank == kill_rank and step == kill_step:
+        if rank != kill_rank or step != kill_step:
+            return
+        if fault == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault == "hang":
+            time.sleep(3600)
+        else:
+            raise RuntimeError(f"injected failure on rank {rank} at step {step}")
 
     return hook
 

@@ -156,13 +156,16 @@ def test_diagnose_names_a_killed_rank_over_its_peers_errors(tmp_path) -> None:
             "the other ranks were stopped"))
 
 
-def test_diagnose_points_at_silent_ranks_after_a_timeout(tmp_path) -> None:
-    for rank in range(3):
-        (tmp_path / f"stack-{rank}.txt").write_text("")
+def test_diagnose_blames_the_hung_rank_not_the_ones_that_timed_out(tmp_path) -> None:
+    for rank, stack in enumerate(["Thread 0x1 (most recent call first):\n  File worker.py, line 9 in hook", "", ""]):
+        (tmp_path / f"stack-{rank}.txt").write_text(stack)
     _error(tmp_path, 1, 1.0, "DistBackendError", "Timed out waiting 30000ms for recv")
     _error(tmp_path, 2, 1.5, "DistBackendError", "Timed out waiting 30000ms for recv")
     rank, message = diagnose(str(tmp_path), "")
-    assert rank == 1 and "ranks [0] reported nothing" in message
+    assert rank == 0 and message.startswith("rank 0 hung: it reported no error") and "worker.py, line 9" in message
+    (tmp_path / "stack-0.txt").write_text("")  # nobody was stopped: the first timeout is all there is
+    rank, message = diagnose(str(tmp_path), "")
+    assert rank == 1 and message.startswith("rank 1 failed: DistBackendError: Timed out")
 
 
 def test_train_options_and_cli_reject_bad_input(capsys) -> None:
