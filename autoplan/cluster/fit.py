@@ -119,14 +119,15 @@ class MatmulFit:
         return self.peak_flops * self.efficiency * flops / (flops + self.half_size_flops)
 
 
-def _saturating(f: np.ndarray, eff: float, log_half: float) -> np.ndarray:
-    return eff * f / (f + np.exp(log_half))
+def _log_saturating(f: np.ndarray, eff: float, log_half: float) -> np.ndarray:
+    return np.log(eff * f / (f + np.exp(log_half)))
 
 
 def fit_matmul(flops: Sequence[float], achieved_flops_per_s: Sequence[float],
                peak_flops: float | None = None) -> MatmulFit:
-    """Fit eff and f_half of eff(f) = eff * f / (f + f_half) to measured matmul rates (relative error).
-    With peak_flops None (a CPU, no datasheet) the peak is the fitted large-matmul rate and eff = 1."""
+    """Fit eff and f_half of eff(f) = eff * f / (f + f_half) to measured matmul rates, least squares
+    on log(rate) so that a rate 2x too high and one 2x too low weigh the same. With peak_flops None
+    (a CPU, no datasheet) the peak is the fitted large-matmul rate and eff = 1."""
     f = np.asarray(flops, dtype=float)
     rate = np.asarray(achieved_flops_per_s, dtype=float)
     if f.shape != rate.shape or f.ndim != 1 or len(np.unique(f)) < 2:
@@ -136,11 +137,11 @@ def fit_matmul(flops: Sequence[float], achieved_flops_per_s: Sequence[float],
     scale = float(rate.max()) if peak_flops is None else float(peak_flops)
     y = rate / scale
     p0 = (float(y.max()) * 1.2, math.log(float(np.median(f))))
-    bounds = ([1e-9, math.log(f.min()) - 30], [np.inf, math.log(f.max()) + 30])
+    bounds = ([1e-9, 0.0], [np.inf, math.log(f.max()) + 30])  # f_half >= 1 FLOP
     with warnings.catch_warnings():  # 2-3 points leave the covariance undefined; only the fit is used
         warnings.simplefilter("ignore", OptimizeWarning)
-        (eff, log_half), _ = curve_fit(_saturating, f, y, p0=p0, sigma=y, bounds=bounds, maxfev=20000)
-    predicted = _saturating(f, eff, log_half)
+        (eff, log_half), _ = curve_fit(_log_saturating, f, np.log(y), p0=p0, bounds=bounds, maxfev=20000)
+    predicted = np.exp(_log_saturating(f, eff, log_half))
     error = float(np.sqrt(np.mean(((predicted - y) / y) ** 2)))
     if peak_flops is None:
         peak, eff = scale * eff, 1.0

@@ -4,6 +4,7 @@ probe.py runs these on every local rank at once; torch only, no torch.distribute
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,32 +18,39 @@ TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.flo
 @dataclass(frozen=True, slots=True)
 class Clock:
     """Times a callable on one device: CUDA events on a GPU (kernel time, no host jitter), the
-    monotonic host clock on a CPU."""
+    monotonic host clock on a CPU. Each sample times enough back-to-back calls to last min_sample_s,
+    so on an oversubscribed CPU (8 ranks on 2 cores) it includes the rank's share of the scheduler's
+    time slices (~4 ms) instead of a lucky unpreempted microsecond call."""
 
     device: torch.device
+    min_sample_s: float = 0.02
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _batch(self, fn: Callable[[], object], calls: int) -> float:
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3 / calls
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) / calls
+
     def samples(self, fn: Callable[[], object], *, warmup: int, repeats: int) -> list[float]:
-        for _ in range(warmup):
+        """Per-call times of `repeats` samples after `warmup` calls."""
+        for _ in range(max(1, warmup)):
             fn()
         self.sync()
-        times = []
-        for _ in range(repeats):
-            if self.device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                times.append(time.perf_counter() - t0)
-        return times
+        single = self._batch(fn, 1)
+        calls = int(min(1000, max(1, math.ceil(self.min_sample_s / max(single, 1e-9)))))
+        return [self._batch(fn, calls) for _ in range(repeats)]
 
 
 def matmul_shapes(device_type: str, dtype: str, quick: bool) -> tuple[tuple[int, int, int], ...]:
@@ -52,9 +60,9 @@ def matmul_shapes(device_type: str, dtype: str, quick: bool) -> tuple[tuple[int,
         squares = (512, 2048, 4096) if quick else (256, 512, 1024, 2048, 4096, 8192)
         h = 4096 if quick else 8192
     elif dtype in ("bf16", "fp16"):  # CPUs without bf16/fp16 FMA run these on a slow path
-        squares, h = ((64, 128) if quick else (64, 128, 256)), 0
+        squares, h = ((64, 128) if quick else (64, 96, 128)), 0
     else:
-        squares = (64, 256, 512) if quick else (64, 128, 256, 512, 1024)
+        squares = (32, 128, 512) if quick else (32, 64, 128, 256, 512, 1024)
         h = 512 if quick else 1024
     shapes = [(s, s, s) for s in squares]
     splits = (4,) if quick else (2, 4, 8)
@@ -64,8 +72,9 @@ def matmul_shapes(device_type: str, dtype: str, quick: bool) -> tuple[tuple[int,
 
 
 def time_matmuls(clock: Clock, dtypes: tuple[str, ...], *, quick: bool, warmup: int, repeats: int,
-                 progress: Callable[[str], None]) -> list[dict]:
-    """One record per (dtype, shape): FLOPs 2 m k n and this rank's repeat times."""
+                 progress: Callable[[str], None], together: Callable[[], object] = lambda: None) -> list[dict]:
+    """One record per (dtype, shape): FLOPs 2 m k n and this rank's repeat times. `together` (a
+    barrier) starts every shape on all ranks at once."""
     records = []
     for dtype in dtypes:
         if clock.device.type == "cuda":
@@ -73,6 +82,7 @@ def time_matmuls(clock: Clock, dtypes: tuple[str, ...], *, quick: bool, warmup: 
         for m, k, n in matmul_shapes(clock.device.type, dtype, quick):
             a = torch.randn(m, k, device=clock.device).to(TORCH_DTYPES[dtype])
             b = torch.randn(k, n, device=clock.device).to(TORCH_DTYPES[dtype])
+            together()
             times = clock.samples(lambda: torch.mm(a, b), warmup=warmup, repeats=repeats)
             flops = 2.0 * m * k * n
             records.append({"dtype": dtype, "shape": [m, k, n], "flops": flops, "samples_s": times})

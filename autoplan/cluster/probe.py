@@ -66,9 +66,13 @@ class ProbeOptions:
         return 5 if self.quick else 7
 
     def message_sizes(self) -> tuple[int, ...]:
-        """Bytes per message, x4 steps: 4 KiB .. 16 MiB quick on CPU (64 MiB on GPU), .. 256 MiB full
-        (on a shared CPU the scheduling noise is ~1-3 ms: the top sizes must take well over that)."""
-        top = 24 if self.quick and self.backend == "gloo" else 26 if self.quick else 28
+        """Bytes per message, x4 steps from 4 KiB. GPU: to 64 MiB quick, 1 GiB full. gloo: to 16 MiB
+        quick (scheduling noise on a shared CPU is ~1-3 ms: the top sizes must take well over that)
+        and 64 MiB full (already ~1 s per call at 8 ranks on 2 cores, deep in the bandwidth regime)."""
+        if self.backend == "gloo":
+            top = 24 if self.quick else 26
+        else:
+            top = 26 if self.quick else 30
         return tuple(2**k for k in range(12, top + 1, 2))
 
 
@@ -124,7 +128,7 @@ def _environment(opts: ProbeOptions, rdv: Rendezvous, device: torch.device) -> d
     return info
 
 
-def _sync(group: dist.ProcessGroup, device: torch.device) -> None:
+def _sync(group: dist.ProcessGroup | None, device: torch.device) -> None:
     if device.type == "cuda":
         dist.barrier(group=group, device_ids=[device.index])
     else:
@@ -174,10 +178,16 @@ def _time_comm(opts: ProbeOptions, level: str, group: dist.ProcessGroup, device:
     for op in OPS:
         for nbytes in opts.message_sizes():
             fn = _collective(op, nbytes, group, device)
+            t_warm = time.perf_counter()
             for _ in range(opts.warmup):
                 fn()
+            clock.sync()
+            # calls over 0.2 s are long enough that fewer repeats suffice (rank 0 decides for all)
+            slow = torch.tensor([float(time.perf_counter() - t_warm > 0.2 * opts.warmup)], device=device)
+            dist.broadcast(slow, src=dist.get_global_rank(group, 0), group=group)
+            repeats = 3 if slow.item() else opts.repeats
             times, inner = [], max(1, min(8, 2**20 // nbytes))
-            for _ in range(opts.repeats):
+            for _ in range(repeats):
                 _sync(group, device)
                 t0 = time.perf_counter()
                 for _ in range(inner):
@@ -225,7 +235,7 @@ def run_rank(opts: ProbeOptions, rdv: Rendezvous) -> dict | None:
         dist.init_process_group(opts.backend, store=store, rank=rdv.rank, world_size=rdv.world_size, timeout=timeout)
     else:
         dist.init_process_group(opts.backend, timeout=timeout)
-    say, clock = _say(rdv), kernels.Clock(device)
+    say, clock = _say(rdv), kernels.Clock(device, min_sample_s=0.005 if device.type == "cuda" else 0.02)
     env = _environment(opts, rdv, device)
     env["process_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     say(f"{rdv.world_size} ranks ({env['nnodes']} x {rdv.local_world_size}), {opts.backend}, {env['device_name']}")
@@ -233,9 +243,10 @@ def run_rank(opts: ProbeOptions, rdv: Rendezvous) -> dict | None:
     if opts.quick and device.type != "cuda":
         dtypes = ("fp32", "bf16")
     train = "bf16" if device.type == "cuda" else "fp32"
-    dist.barrier()  # all ranks busy at once from here
+    dist.barrier()  # all ranks busy at once from here, each shape started together
     compute = {"matmul": kernels.time_matmuls(clock, dtypes, quick=opts.quick, warmup=opts.warmup,
-                                              repeats=opts.repeats, progress=say),
+                                              repeats=opts.repeats, progress=say,
+                                              together=lambda: _sync(None, device)),
                "attention": kernels.time_attention(clock, train, quick=opts.quick, warmup=opts.warmup,
                                                    repeats=opts.repeats),
                "memory": kernels.time_memory(clock, quick=opts.quick, warmup=opts.warmup, repeats=opts.repeats),

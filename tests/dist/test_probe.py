@@ -8,14 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from autoplan.cli import main as cli_main
 from autoplan.cli import profile as cli_profile
 from autoplan.cluster import Cluster
 from autoplan.cluster.fit import fit_alpha_beta, spread
-from autoplan.cluster.load import dump_profile
 from autoplan.cluster.probe import ProbeFailed, ProbeOptions, probe_local
-from autoplan.cluster.report import build_profile
 
 pytestmark = pytest.mark.dist
 HELD_BACK = 2**22  # 4 MiB: bandwidth-dominated on loopback gloo (~1 GB/s), inside the quick sweep
@@ -40,21 +39,23 @@ def _single_process_matmul_rate(size: int = 256) -> float:
 
 
 def test_quick_two_rank_profile_predicts_held_back_size_and_loads(tmp_path: Path) -> None:
-    raw = probe_local(ProbeOptions(nproc_per_node=2, quick=True, timeout_s=30))
-    rows = [r for r in raw["comm"] if r["op"] == "all_reduce"]
+    """`autoplan profile --nproc-per-node 2 --quick` end to end: YAML + PNG written, the profile loads,
+    and an all-reduce fit on the other sizes predicts the held-back 4 MiB median within 30 %."""
+    out = tmp_path / "two-rank.yaml"
+    assert cli_main.main(["profile", "--nproc-per-node", "2", "--quick", "--out", str(out), "--timeout", "30"]) == 0
+    assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["two-rank.png", "two-rank.yaml"]
+    measured = yaml.safe_load(out.read_text())["measured"]
+    rows = [r for r in measured["comm"] if r["op"] == "all_reduce"]
     assert {r["bytes"] for r in rows} >= {HELD_BACK, 4 * HELD_BACK}
-    train = [(r["bytes"], spread(r["samples_s"])[0]) for r in rows if r["bytes"] != HELD_BACK]
+    train = [(r["bytes"], r["time_s"]) for r in rows if r["bytes"] != HELD_BACK]
     fit = fit_alpha_beta("all_reduce", 2, [s for s, _ in train], [t for _, t in train])
-    measured = spread(next(r["samples_s"] for r in rows if r["bytes"] == HELD_BACK))[0]
-    assert fit.predict_s(HELD_BACK) == pytest.approx(measured, rel=0.30)
+    held = next(r["time_s"] for r in rows if r["bytes"] == HELD_BACK)
+    assert fit.predict_s(HELD_BACK) == pytest.approx(held, rel=0.30)
 
-    profile = build_profile(raw, name="two-rank")
-    path = tmp_path / "two-rank.yaml"
-    path.write_text(dump_profile(profile.spec, comments=profile.comments, measured=profile.measured))
-    loaded = Cluster.load(path)
-    assert loaded.devices_per_node == 2 and loaded.dtype == "fp32"
-    assert loaded.intra_node.latency_s == pytest.approx(profile.spec.intra_node.latency_s, rel=1e-5)
-    assert loaded.device.matmul_half_size_flops == pytest.approx(profile.spec.device.matmul_half_size_flops, rel=1e-5)
+    loaded = Cluster.load(out)
+    assert loaded.devices_per_node == 2 and loaded.dtype == "fp32" and loaded.name == "two-rank"
+    assert loaded.intra_node.latency_s == pytest.approx(measured["comm_fits"]["intra_node"]["all_reduce"]["alpha_s"], rel=1e-5)
     # per-rank large-matmul rate within a wide band of a lone single-thread run (2 ranks, 2 cores, shared machine)
     reference = _single_process_matmul_rate()
     assert 0.1 * reference < loaded.peak_flops * loaded.device.matmul_efficiency < 5 * reference
