@@ -4,6 +4,7 @@ and the message when nothing fits (by how much, and what would make it fit).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -125,12 +126,15 @@ def nothing_fits_message(graph: LayerGraph, cluster: ClusterSpec, space: Space, 
     need, cap = est.peak_mem_bytes, est.mem_capacity_bytes
     ratio = need / cap
     remedies = [f"more devices (about {int(np.ceil(ratio * cluster.num_nodes))} nodes instead of {cluster.num_nodes})"]
-    if config.microbatch > 1:
-        remedies.append("a smaller microbatch")
-    if config.recompute is not Recompute.FULL:
-        remedies.append("full recompute")
-    if config.zero < 3:
-        remedies.append("ZeRO-3")
+    for label, change in (("a microbatch of 1", {"microbatch": 1}), ("full recompute", {"recompute": Recompute.FULL}),
+                          ("ZeRO-3", {"zero": 3})):
+        try:
+            alt = cost.estimate_config(graph, cluster, dataclasses.replace(config, **change),
+                                       global_batch=options.global_batch)
+        except ValueError:
+            continue
+        if alt.peak_mem_bytes < need:
+            remedies.append(f"{label} (-> {alt.peak_mem_bytes / GIB:.1f} GiB)")
     remedies.append("a shorter sequence or devices with more memory")
     cfg = ", ".join(f"{k}={v}" for k, v in config.to_dict().items())
     return (f"nothing fits in {cap / GIB:.0f} GiB per device: the least memory-hungry of {len(space):,} "

@@ -48,3 +48,21 @@ def test_user_model_file_and_estimate_breakdown(tmp_path, capsys) -> None:
     assert "tp=2, pp=2, dp=2" in out and "sp=True" in out and "zero=1" in out
     for cause in ("compute", "tp_comm", "pp_bubble", "weights", "activations"):
         assert cause in out
+
+
+def test_plan_writes_the_best_plan_as_json(tmp_path, capsys) -> None:
+    from autoplan.cost import estimate_config
+    from autoplan.plan import load_plan
+    from autoplan.search.api import model_graph
+
+    out = tmp_path / "best.json"
+    assert main(["plan", *JOB, "--global-batch", "16", "--top-k", "2", "--quiet", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    plan = load_plan(out)
+    assert plan.rank == 1 and "Plan #1 for tiny-llama" in printed and f"{plan.estimate.step_time_s:.3f}" in printed
+    assert plan.estimate.fits and plan.num_devices == 8
+    # the cost model, given the plan's own layout, predicts what the JSON says
+    again = estimate_config(model_graph("tiny-llama", 64), Cluster.load("local-cpu"), plan.config, global_batch=16,
+                            stages=tuple(s.layer_names for s in plan.stages),
+                            layer_recompute=dict(plan.layer_recompute) or None)
+    assert again == plan.estimate
