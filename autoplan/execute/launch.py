@@ -142,6 +142,13 @@ def _stopped_ranks(run_dir: str, errors: list[Mapping[str, Any]]) -> list[tuple[
     return sorted(out)
 
 
+def _check_rank_count(config: ParallelConfig, nproc_per_node: int | None, launcher_args: Sequence[str]) -> None:
+    multi_node = any(a.startswith("--nnodes") for a in launcher_args)
+    if nproc_per_node and not multi_node and nproc_per_node != config.num_devices:
+        raise ValueError(f"the plan needs pp*dp*ep*cp*tp = {config.num_devices} ranks but --nproc-per-node is "
+                         f"{nproc_per_node}: launch {config.num_devices} processes or change the degrees")
+
+
 def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: str, *, steps: int,
             nproc_per_node: int | None = None, seed: int = 0, global_batch: int | None = None,
             seq_len: int | None = None, report: str | Path | None = None, save_every: int = 0,
@@ -161,6 +168,7 @@ def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: str, *, s
         write_plan(plan, plan_path, global_batch=global_batch, seq_len=seq_len)
         read_plan(plan_path)  # fail here, not on every rank, when batch or length are missing
         config = plan.config if isinstance(plan, Plan) else plan
+        _check_rank_count(config, nproc_per_node, launcher_args)
         report_path = str(report) if report else os.path.join(run_dir, "report.json")
         args = ["--plan", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
                 "--report", report_path, "--run-dir", run_dir, "--timeout-s", str(timeout_s),

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -156,7 +157,10 @@ def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, nu
             job.schedule.step(*args, **kwargs)
             return sum(_scalar(x) for x in losses) / len(losses) if last else None
         part, total = job.parts[0], 0.0
-        for mb_inputs, mb_targets in zip(inputs.chunk(num_microbatches), targets.chunk(num_microbatches)):
+        for i, (mb_inputs, mb_targets) in enumerate(zip(inputs.chunk(num_microbatches),
+                                                        targets.chunk(num_microbatches))):
+            if isinstance(part, FSDPModule):  # accumulate locally, reduce once after the last microbatch
+                part.set_requires_gradient_sync(i == num_microbatches - 1)
             loss = cross_entropy(part(mb_inputs), mb_targets) / num_microbatches
             loss.backward()
             total += _scalar(loss)

@@ -12,6 +12,7 @@ from autoplan.cli.main import main
 from autoplan.execute.launch import diagnose, read_plan, torchrun_command, write_plan
 from autoplan.execute.pipeline import check_stages, even_stages, extract_stage, local_stage_indices
 from autoplan.execute.recompute import apply_recompute, original_fqn
+from autoplan.execute.tensor_parallel import check_tensor_parallel
 from autoplan.execute.train import TrainOptions, local_batch, make_batch
 from autoplan.models import preset
 from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Plan, Recompute, Stage
@@ -168,8 +169,17 @@ def test_diagnose_blames_the_hung_rank_not_the_ones_that_timed_out(tmp_path) -> 
     assert rank == 1 and message.startswith("rank 1 failed: DistBackendError: Timed out")
 
 
+def test_tensor_parallel_degree_must_divide_heads_ffn_and_vocab() -> None:
+    check_tensor_parallel(preset("tiny-llama"), 4)  # 8 heads, 4 kv heads, ffn 128, vocab 128
+    with pytest.raises(ValueError, match="num_kv_heads=4"):
+        check_tensor_parallel(preset("tiny-llama"), 8)
+
+
 def test_train_options_and_cli_reject_bad_input(capsys) -> None:
     with pytest.raises(ValueError, match="checkpoint"):
         TrainOptions(steps=2, global_batch=2, seq_len=4, save_every=1)
     assert main(["run", "--model", "tiny-gpt", "--steps", "1", "--plan", "p.json", "--tp", "2"]) == 2
     assert "either --plan or configuration flags" in capsys.readouterr().err
+    assert main(["run", "--model", "tiny-gpt", "--steps", "1", "--tp", "2", "--nproc-per-node", "4",
+                 "--dp", "1", "--global-batch", "4", "--seq-len", "8"]) == 2
+    assert "needs pp*dp*ep*cp*tp = 2 ranks but --nproc-per-node is 4" in capsys.readouterr().err
