@@ -18,20 +18,36 @@ from pathlib import Path
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
-        "profile", help="measure this cluster and write a profile YAML",
+        "profile",
+        help="measure this cluster and write a profile YAML",
         description="Measure matmul/attention/memory throughput with every local rank busy, and the "
-                    "collectives (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) per link "
-                    "level; fit them into a profile that `autoplan plan --cluster FILE` reads.")
-    parser.add_argument("--out", default="my-cluster.yaml", help="profile to write (a PNG plot goes beside it)")
-    parser.add_argument("--nproc-per-node", type=int, default=None,
-                        help="ranks per node (default: torchrun's, else the GPU count, else 2)")
+        "collectives (all-reduce, all-gather, reduce-scatter, all-to-all, send/recv) per link "
+        "level; fit them into a profile that `autoplan plan --cluster FILE` reads.",
+    )
+    parser.add_argument(
+        "--out", default="my-cluster.yaml", help="profile to write (a PNG plot goes beside it)"
+    )
+    parser.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="ranks per node (default: torchrun's, else the GPU count, else 2)",
+    )
     parser.add_argument("--nnodes", type=int, default=None, help="nodes (more than 1 needs torchrun)")
-    parser.add_argument("--backend", choices=("nccl", "gloo"), default=None,
-                        help="default: nccl when CUDA GPUs are visible, else gloo")
+    parser.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="default: nccl when CUDA GPUs are visible, else gloo",
+    )
     parser.add_argument("--quick", action="store_true", help="fewer shapes and smaller messages (~1 min)")
     parser.add_argument("--name", default=None, help="profile name (default: the --out file's stem)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds any rendezvous or collective may take before the run fails (default 60)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds any rendezvous or collective may take before the run fails (default 60)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -60,7 +76,9 @@ def check_writable(out: Path) -> None:
 
 def write_atomic(path: Path, write: Callable[[str], None]) -> None:
     """write(temp_path) then rename over `path`: a failure leaves no half-written file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(
+        dir=path.parent if str(path.parent) else ".", prefix=f".{path.name}.", suffix=".tmp"
+    )
     os.close(fd)
     umask = os.umask(0)
     os.umask(umask)
@@ -81,14 +99,21 @@ def _options(args: argparse.Namespace, env: dict[str, int] | None):
     backend = args.backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if env:
         nproc, nnodes = env["LOCAL_WORLD_SIZE"], env["WORLD_SIZE"] // env["LOCAL_WORLD_SIZE"]
-        for flag, given, actual in (("--nproc-per-node", args.nproc_per_node, nproc), ("--nnodes", args.nnodes, nnodes)):
+        for flag, given, actual in (
+            ("--nproc-per-node", args.nproc_per_node, nproc),
+            ("--nnodes", args.nnodes, nnodes),
+        ):
             if given is not None and given != actual:
-                raise ValueError(f"{flag} {given} disagrees with torchrun's {actual}: drop the flag or fix torchrun's")
+                raise ValueError(
+                    f"{flag} {given} disagrees with torchrun's {actual}: drop the flag or fix torchrun's"
+                )
     else:
         default = torch.cuda.device_count() if backend == "nccl" else 2
         nproc = default if args.nproc_per_node is None else args.nproc_per_node
         nnodes = 1 if args.nnodes is None else args.nnodes
-    return ProbeOptions(nproc_per_node=nproc, nnodes=nnodes, backend=backend, quick=args.quick, timeout_s=args.timeout)
+    return ProbeOptions(
+        nproc_per_node=nproc, nnodes=nnodes, backend=backend, quick=args.quick, timeout_s=args.timeout
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,8 +131,15 @@ def run(args: argparse.Namespace) -> int:
         if env is None:
             raw = probe_local(opts)
         else:
-            raw = probe_torchrun(opts, Rendezvous(rank=env["RANK"], world_size=env["WORLD_SIZE"],
-                                                  local_rank=env["LOCAL_RANK"], local_world_size=env["LOCAL_WORLD_SIZE"]))
+            raw = probe_torchrun(
+                opts,
+                Rendezvous(
+                    rank=env["RANK"],
+                    world_size=env["WORLD_SIZE"],
+                    local_rank=env["LOCAL_RANK"],
+                    local_world_size=env["LOCAL_WORLD_SIZE"],
+                ),
+            )
     except ProbeFailed as exc:
         for rank, text in sorted(exc.tracebacks.items()):
             print(f"--- rank {rank} ---\n{text.rstrip()}", file=sys.stderr)
@@ -118,13 +150,24 @@ def run(args: argparse.Namespace) -> int:
     name = args.name or out.stem
     profile = build_profile(raw, name=name)
     environment = raw["env"]
-    header = (f"Measured by `autoplan profile` on {environment['hostname']}, {environment['date']}: "
-              f"{environment['world_size']} ranks, {opts.backend}, torch {environment['torch']}"
-              + (f", CUDA {environment.get('cuda')}, NCCL {environment.get('nccl')}, driver {environment.get('driver')}"
-                 if opts.backend == "nccl" else "") + ("; --quick" if opts.quick else ""),
-              "Units: FLOP/s, bytes, bytes/s, seconds. Per device (rank). `measured:` holds the raw medians.")
-    text = dump_profile(profile.spec, comments=profile.comments, measured=profile.measured, header=header,
-                        description=f"measured: {environment['world_size']} x {environment['device_name']} ({opts.backend})")
+    header = (
+        f"Measured by `autoplan profile` on {environment['hostname']}, {environment['date']}: "
+        f"{environment['world_size']} ranks, {opts.backend}, torch {environment['torch']}"
+        + (
+            f", CUDA {environment.get('cuda')}, NCCL {environment.get('nccl')}, driver {environment.get('driver')}"
+            if opts.backend == "nccl"
+            else ""
+        )
+        + ("; --quick" if opts.quick else ""),
+        "Units: FLOP/s, bytes, bytes/s, seconds. Per device (rank). `measured:` holds the raw medians.",
+    )
+    text = dump_profile(
+        profile.spec,
+        comments=profile.comments,
+        measured=profile.measured,
+        header=header,
+        description=f"measured: {environment['world_size']} x {environment['device_name']} ({opts.backend})",
+    )
     png = out.with_suffix(".png")
     write_atomic(png, lambda tmp: plot_bus_bandwidth(profile, tmp))
     write_atomic(out, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
@@ -135,8 +178,10 @@ def run(args: argparse.Namespace) -> int:
         console.print(table)
     if profile.warnings:
         shown = "; ".join(profile.warnings[:6]) + ("; ..." if len(profile.warnings) > 6 else "")
-        console.print(f"[yellow]warning:[/yellow] {len(profile.warnings)} noisy measurements (IQR/median > 25 %) "
-                      f"or poor fits, all listed under measured.warnings in {out}: {shown}. "
-                      "Re-run on a quieter machine for a trustworthy profile.")
+        console.print(
+            f"[yellow]warning:[/yellow] {len(profile.warnings)} noisy measurements (IQR/median > 25 %) "
+            f"or poor fits, all listed under measured.warnings in {out}: {shown}. "
+            "Re-run on a quieter machine for a trustworthy profile."
+        )
     console.print(f"wrote {out} and {png} in {time.monotonic() - started:.1f} s")
     return 0

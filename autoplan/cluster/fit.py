@@ -71,7 +71,10 @@ class AlphaBeta:
 
     def predict_s(self, nbytes: float) -> float:
         n = self.group_size
-        return latency_steps(self.op, n) * self.alpha_s + bus_bw_factor(self.op, n) * nbytes / self.bw_bytes_per_s
+        return (
+            latency_steps(self.op, n) * self.alpha_s
+            + bus_bw_factor(self.op, n) * nbytes / self.bw_bytes_per_s
+        )
 
 
 def fit_alpha_beta(op: str, n: int, nbytes: Sequence[float], times_s: Sequence[float]) -> AlphaBeta:
@@ -83,9 +86,13 @@ def fit_alpha_beta(op: str, n: int, nbytes: Sequence[float], times_s: Sequence[f
     if sizes.shape != times.shape or sizes.ndim != 1:
         raise ValueError(f"{op}: need as many times as sizes, got {sizes.shape} and {times.shape}")
     if np.any(sizes <= 0) or np.any(times <= 0) or not np.all(np.isfinite(times)):
-        raise ValueError(f"{op}: sizes and times must be positive and finite, got {sizes.tolist()} / {times.tolist()}")
+        raise ValueError(
+            f"{op}: sizes and times must be positive and finite, got {sizes.tolist()} / {times.tolist()}"
+        )
     if len(np.unique(sizes)) < 2:
-        raise ValueError(f"{op}: need at least two distinct message sizes to fit alpha and bandwidth, got {sizes.tolist()}")
+        raise ValueError(
+            f"{op}: need at least two distinct message sizes to fit alpha and bandwidth, got {sizes.tolist()}"
+        )
     design = np.column_stack([np.full_like(sizes, latency_steps(op, n)), bus_bw_factor(op, n) * sizes])
     weights = 1.0 / times
     scale = design.max(axis=0)  # condition the columns (seconds vs seconds per byte)
@@ -97,12 +104,24 @@ def fit_alpha_beta(op: str, n: int, nbytes: Sequence[float], times_s: Sequence[f
             f"{op}: time hardly grows with message size over {sizes.min():.0f}-{sizes.max():.0f} bytes (the "
             "bandwidth term is under 5 % of the largest time), so no bandwidth can be fitted: measure larger messages"
         )
-    fit = AlphaBeta(op=op, group_size=n, alpha_s=float(alpha), bw_bytes_per_s=float(1.0 / inv_bw),
-                    rel_rms_error=0.0, num_points=len(sizes))
+    fit = AlphaBeta(
+        op=op,
+        group_size=n,
+        alpha_s=float(alpha),
+        bw_bytes_per_s=float(1.0 / inv_bw),
+        rel_rms_error=0.0,
+        num_points=len(sizes),
+    )
     predicted = np.array([fit.predict_s(s) for s in sizes])
     error = float(np.sqrt(np.mean(((predicted - times) / times) ** 2)))
-    return AlphaBeta(op=op, group_size=n, alpha_s=fit.alpha_s, bw_bytes_per_s=fit.bw_bytes_per_s,
-                     rel_rms_error=error, num_points=len(sizes))
+    return AlphaBeta(
+        op=op,
+        group_size=n,
+        alpha_s=fit.alpha_s,
+        bw_bytes_per_s=fit.bw_bytes_per_s,
+        rel_rms_error=error,
+        num_points=len(sizes),
+    )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -123,15 +142,18 @@ def _log_saturating(f: np.ndarray, eff: float, log_half: float) -> np.ndarray:
     return np.log(eff * f / (f + np.exp(log_half)))
 
 
-def fit_matmul(flops: Sequence[float], achieved_flops_per_s: Sequence[float],
-               peak_flops: float | None = None) -> MatmulFit:
+def fit_matmul(
+    flops: Sequence[float], achieved_flops_per_s: Sequence[float], peak_flops: float | None = None
+) -> MatmulFit:
     """Fit eff and f_half of eff(f) = eff * f / (f + f_half) to measured matmul rates, least squares
     on log(rate) so that a rate 2x too high and one 2x too low weigh the same. With peak_flops None
     (a CPU, no datasheet) the peak is the fitted large-matmul rate and eff = 1."""
     f = np.asarray(flops, dtype=float)
     rate = np.asarray(achieved_flops_per_s, dtype=float)
     if f.shape != rate.shape or f.ndim != 1 or len(np.unique(f)) < 2:
-        raise ValueError(f"matmul fit needs >= 2 distinct sizes with one rate each, got {f.tolist()} / {rate.tolist()}")
+        raise ValueError(
+            f"matmul fit needs >= 2 distinct sizes with one rate each, got {f.tolist()} / {rate.tolist()}"
+        )
     if np.any(f <= 0) or np.any(rate <= 0):
         raise ValueError(f"matmul fit needs positive FLOPs and rates, got {f.tolist()} / {rate.tolist()}")
     scale = float(rate.max()) if peak_flops is None else float(peak_flops)
@@ -147,8 +169,13 @@ def fit_matmul(flops: Sequence[float], achieved_flops_per_s: Sequence[float],
         peak, eff = scale * eff, 1.0
     else:
         peak = float(peak_flops)
-    return MatmulFit(peak_flops=peak, efficiency=float(eff), half_size_flops=float(math.exp(log_half)),
-                     rel_rms_error=error, num_points=len(f))
+    return MatmulFit(
+        peak_flops=peak,
+        efficiency=float(eff),
+        half_size_flops=float(math.exp(log_half)),
+        rel_rms_error=error,
+        num_points=len(f),
+    )
 
 
 def spread(samples: Sequence[float]) -> tuple[float, float]:

@@ -71,8 +71,16 @@ def matmul_shapes(device_type: str, dtype: str, quick: bool) -> tuple[tuple[int,
     return tuple(shapes)
 
 
-def time_matmuls(clock: Clock, dtypes: tuple[str, ...], *, quick: bool, warmup: int, repeats: int,
-                 progress: Callable[[str], None], together: Callable[[], object] = lambda: None) -> list[dict]:
+def time_matmuls(
+    clock: Clock,
+    dtypes: tuple[str, ...],
+    *,
+    quick: bool,
+    warmup: int,
+    repeats: int,
+    progress: Callable[[str], None],
+    together: Callable[[], object] = lambda: None,
+) -> list[dict]:
     """One record per (dtype, shape): FLOPs 2 m k n and this rank's repeat times. `together` (a
     barrier) starts every shape on all ranks at once."""
     records = []
@@ -83,10 +91,12 @@ def time_matmuls(clock: Clock, dtypes: tuple[str, ...], *, quick: bool, warmup: 
             a = torch.randn(m, k, device=clock.device).to(TORCH_DTYPES[dtype])
             b = torch.randn(k, n, device=clock.device).to(TORCH_DTYPES[dtype])
             together()
-            times = clock.samples(lambda: torch.mm(a, b), warmup=warmup, repeats=repeats)
+            times = clock.samples(lambda a=a, b=b: torch.mm(a, b), warmup=warmup, repeats=repeats)
             flops = 2.0 * m * k * n
             records.append({"dtype": dtype, "shape": [m, k, n], "flops": flops, "samples_s": times})
-            progress(f"matmul {dtype} {m}x{k}x{n}: {flops / sorted(times)[len(times) // 2] / 1e9:.1f} GFLOP/s")
+            progress(
+                f"matmul {dtype} {m}x{k}x{n}: {flops / sorted(times)[len(times) // 2] / 1e9:.1f} GFLOP/s"
+            )
     if clock.device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
     return records
@@ -100,10 +110,15 @@ def time_attention(clock: Clock, dtype: str, *, quick: bool, warmup: int, repeat
     else:
         b, heads, s, d = (1, 4, 256, 64) if quick else (1, 8, 512, 64)
     q, k, v = (torch.randn(b, heads, s, d, device=clock.device).to(TORCH_DTYPES[dtype]) for _ in range(3))
-    times = clock.samples(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                          warmup=warmup, repeats=repeats)
-    return {"dtype": dtype, "shape": [b, heads, s, d], "flops": 4.0 * b * heads * s * s * d / 2,
-            "samples_s": times}
+    times = clock.samples(
+        lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), warmup=warmup, repeats=repeats
+    )
+    return {
+        "dtype": dtype,
+        "shape": [b, heads, s, d],
+        "flops": 4.0 * b * heads * s * s * d / 2,
+        "samples_s": times,
+    }
 
 
 def time_memory(clock: Clock, *, quick: bool, warmup: int, repeats: int) -> dict:
@@ -119,8 +134,13 @@ def time_memory(clock: Clock, *, quick: bool, warmup: int, repeats: int) -> dict
     copy = clock.samples(lambda: y.copy_(x), warmup=warmup, repeats=repeats)
     add = clock.samples(lambda: torch.add(x, z, out=y), warmup=warmup, repeats=repeats)
     nbytes = numel * x.element_size()
-    return {"bytes": nbytes, "copy_samples_s": copy, "copy_bytes_moved": 2 * nbytes,
-            "add_samples_s": add, "add_bytes_moved": 3 * nbytes}
+    return {
+        "bytes": nbytes,
+        "copy_samples_s": copy,
+        "copy_bytes_moved": 2 * nbytes,
+        "add_samples_s": add,
+        "add_bytes_moved": 3 * nbytes,
+    }
 
 
 def time_op_overhead(clock: Clock, *, repeats: int) -> dict:

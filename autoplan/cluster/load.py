@@ -65,8 +65,9 @@ def _suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _check_keys(section: Mapping[str, Any], required: tuple[str, ...], optional: tuple[str, ...],
-                where: str, path: str) -> None:
+def _check_keys(
+    section: Mapping[str, Any], required: tuple[str, ...], optional: tuple[str, ...], where: str, path: str
+) -> None:
     """One ValueError for the first unknown key (with the close match) or the first missing one."""
     allowed = required + optional
     for key in section:
@@ -77,7 +78,9 @@ def _check_keys(section: Mapping[str, Any], required: tuple[str, ...], optional:
             )
     for key in required:
         if key not in section:
-            raise ValueError(f"{path}: missing field '{where}{key}': add it (see profiles/dgx-a100-80gb.yaml)")
+            raise ValueError(
+                f"{path}: missing field '{where}{key}': add it (see profiles/dgx-a100-80gb.yaml)"
+            )
 
 
 def _number(value: Any, field: str, path: str, *, allow_zero: bool = False) -> float:
@@ -88,11 +91,13 @@ def _number(value: Any, field: str, path: str, *, allow_zero: bool = False) -> f
         except ValueError:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{path}: field {field!r} must be a number, got {value!r}")
+        raise ValueError(f"{path}: field {field!r} must be a number, got {value!r}")  # noqa: TRY004 (one error type for bad profiles)
     if not (value > 0 or (allow_zero and value == 0)):
         raise ValueError(f"{path}: field {field!r} must be {'>=' if allow_zero else '>'} 0, got {value!r}")
     if field.rsplit(".", 1)[-1] in _FRACTIONS and value > 1:
-        raise ValueError(f"{path}: field {field!r} is a fraction of nominal and must be in (0, 1], got {value!r}")
+        raise ValueError(
+            f"{path}: field {field!r} is a fraction of nominal and must be in (0, 1], got {value!r}"
+        )
     return float(value)
 
 
@@ -111,7 +116,7 @@ def _optional_fields(cls: type) -> tuple[str, ...]:
 
 def _section(data: Any, where: str, path: str) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
-        raise ValueError(f"{path}: field {where!r} must be a mapping of fields, got {type(data).__name__}")
+        raise ValueError(f"{path}: field {where!r} must be a mapping of fields, got {type(data).__name__}")  # noqa: TRY004
     return data
 
 
@@ -141,7 +146,9 @@ def _parse_link(data: Any, where: str, path: str) -> LinkSpec:
     values: dict[str, Any] = {"name": str(data["name"])}
     for key in data:
         if key != "name":
-            values[key] = _number(data[key], f"{where}.{key}", path, allow_zero=key in _optional_fields(LinkSpec))
+            values[key] = _number(
+                data[key], f"{where}.{key}", path, allow_zero=key in _optional_fields(LinkSpec)
+            )
     return LinkSpec(**values)
 
 
@@ -151,22 +158,30 @@ def _positive_int(value: Any, what: str, hint: str) -> int:
     return value
 
 
-def parse_profile(data: Any, path: str, *, num_nodes: int = 1, devices_per_node: int | None = None) -> ClusterSpec:
+def parse_profile(
+    data: Any, path: str, *, num_nodes: int = 1, devices_per_node: int | None = None
+) -> ClusterSpec:
     """Validate one profile mapping (as read from YAML) and build the ClusterSpec."""
     data = _section(data, "(top level)", path)
     _check_keys(data, _TOP_REQUIRED, _TOP_OPTIONAL, "", path)
     if data["schema_version"] != SCHEMA_VERSION:
-        raise ValueError(f"{path}: schema_version {data['schema_version']!r} is not supported (this autoplan reads {SCHEMA_VERSION})")
+        raise ValueError(
+            f"{path}: schema_version {data['schema_version']!r} is not supported (this autoplan reads {SCHEMA_VERSION})"
+        )
     num_nodes = _positive_int(num_nodes, "num_nodes", "pass num_nodes >= 1")
     if devices_per_node is None:
-        devices_per_node = _positive_int(data["devices_per_node"], f"{path}: devices_per_node", "fix the profile")
+        devices_per_node = _positive_int(
+            data["devices_per_node"], f"{path}: devices_per_node", "fix the profile"
+        )
     devices_per_node = _positive_int(devices_per_node, "devices_per_node", "pass devices_per_node >= 1")
     dtype = str(data.get("dtype", "bf16"))
     if dtype not in DTYPES:
-        raise ValueError(f"{path}: dtype {dtype!r} is not one of {', '.join(DTYPES)}{_suggest(dtype, DTYPES)}")
+        raise ValueError(
+            f"{path}: dtype {dtype!r} is not one of {', '.join(DTYPES)}{_suggest(dtype, DTYPES)}"
+        )
     notes = data.get("notes") or ()
     if isinstance(notes, str) or not isinstance(notes, (list, tuple)):
-        raise ValueError(f"{path}: field 'notes' must be a list of strings, got {notes!r}")
+        raise ValueError(f"{path}: field 'notes' must be a list of strings, got {notes!r}")  # noqa: TRY004
     return ClusterSpec(
         name=str(data["name"]),
         device=_parse_device(data["device"], path),
@@ -205,21 +220,28 @@ class Cluster:
         shipped = _shipped()
         if text in shipped:
             return shipped[text]
-        looks_like_path = isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith((".yaml", ".yml"))
+        looks_like_path = (
+            isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith((".yaml", ".yml"))
+        )
         if looks_like_path or Path(text).is_file():
             if not Path(text).is_file():
                 raise FileNotFoundError(f"cluster profile file {text!r} does not exist")
             return Path(text)
         known = ", ".join(sorted(shipped)) or "(none found in " + ", ".join(map(str, profile_dirs())) + ")"
-        raise ValueError(f"unknown cluster profile {text!r}{_suggest(text, list(shipped))}; known profiles: {known}; or pass a path to a YAML file")
+        raise ValueError(
+            f"unknown cluster profile {text!r}{_suggest(text, list(shipped))}; known profiles: {known}; or pass a path to a YAML file"
+        )
 
     @staticmethod
-    def load(name_or_path: str | os.PathLike[str], *, num_nodes: int = 1,
-             devices_per_node: int | None = None) -> ClusterSpec:
+    def load(
+        name_or_path: str | os.PathLike[str], *, num_nodes: int = 1, devices_per_node: int | None = None
+    ) -> ClusterSpec:
         """Read a shipped profile by name or any profile file by path, for num_nodes nodes
         (devices_per_node overrides the profile's, e.g. a 2-rank local run)."""
         path = Cluster.path(name_or_path)
-        return parse_profile(read_profile(path), str(path), num_nodes=num_nodes, devices_per_node=devices_per_node)
+        return parse_profile(
+            read_profile(path), str(path), num_nodes=num_nodes, devices_per_node=devices_per_node
+        )
 
 
 def _scalar(value: Any) -> str:
@@ -252,8 +274,14 @@ def _plain(value: Any) -> Any:
     return str(value)
 
 
-def dump_profile(spec: ClusterSpec, *, comments: Mapping[str, str] | None = None, description: str = "",
-                 measured: Mapping[str, Any] | None = None, header: tuple[str, ...] = ()) -> str:
+def dump_profile(
+    spec: ClusterSpec,
+    *,
+    comments: Mapping[str, str] | None = None,
+    description: str = "",
+    measured: Mapping[str, Any] | None = None,
+    header: tuple[str, ...] = (),
+) -> str:
     """The profile as YAML text in the shipped format, `comments` ("device.matmul_efficiency" ->
     source) beside each number, `measured` appended as a free-form section. parse_profile reads it back
     to the same spec, floats to 6 significant digits."""
@@ -288,5 +316,7 @@ def dump_profile(spec: ClusterSpec, *, comments: Mapping[str, str] | None = None
         lines += [f"  - {_scalar(note)}" for note in spec.notes]
     text = "\n".join(lines) + "\n"
     if measured:
-        text += yaml.safe_dump({"measured": _plain(measured)}, sort_keys=False, default_flow_style=None, width=120)
+        text += yaml.safe_dump(
+            {"measured": _plain(measured)}, sort_keys=False, default_flow_style=None, width=120
+        )
     return text

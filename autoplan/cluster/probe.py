@@ -51,9 +51,13 @@ class ProbeOptions:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
         if self.backend == "nccl" and self.nproc_per_node > torch.cuda.device_count():
-            raise ValueError(f"--nproc-per-node {self.nproc_per_node} exceeds the {torch.cuda.device_count()} GPUs here")
+            raise ValueError(
+                f"--nproc-per-node {self.nproc_per_node} exceeds the {torch.cuda.device_count()} GPUs here"
+            )
         if self.nproc_per_node * self.nnodes < 2:
-            raise ValueError("profiling the interconnect needs at least 2 ranks: pass --nproc-per-node 2 or more")
+            raise ValueError(
+                "profiling the interconnect needs at least 2 ranks: pass --nproc-per-node 2 or more"
+            )
         if not self.timeout_s > 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s!r}")
 
@@ -106,25 +110,48 @@ def _say(rdv: Rendezvous) -> Callable[[str], None]:
 def _environment(opts: ProbeOptions, rdv: Rendezvous, device: torch.device) -> dict:
     info = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hostname": platform.node(), "torch": torch.__version__, "python": platform.python_version(),
-        "backend": opts.backend, "world_size": rdv.world_size, "nnodes": rdv.world_size // rdv.local_world_size,
-        "nproc_per_node": rdv.local_world_size, "quick": opts.quick, "warmup": opts.warmup,
-        "repeats": opts.repeats, "cpu_count": os.cpu_count(), "threads_per_rank": torch.get_num_threads(),
+        "hostname": platform.node(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "backend": opts.backend,
+        "world_size": rdv.world_size,
+        "nnodes": rdv.world_size // rdv.local_world_size,
+        "nproc_per_node": rdv.local_world_size,
+        "quick": opts.quick,
+        "warmup": opts.warmup,
+        "repeats": opts.repeats,
+        "cpu_count": os.cpu_count(),
+        "threads_per_rank": torch.get_num_threads(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        info.update(device_name=props.name, cuda=torch.version.cuda,
-                    nccl=".".join(map(str, torch.cuda.nccl.version())), mem_bytes=int(props.total_memory))
+        nccl = torch.cuda.nccl.version()
+        info.update(
+            device_name=props.name,
+            cuda=torch.version.cuda,
+            mem_bytes=int(props.total_memory),
+            nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
+        )
         try:
-            info["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=10).stdout.split("\n")[0].strip()
+            info["driver"] = (
+                subprocess.run(
+                    ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                    capture_output=True,
+                    text=True,
+                    timeout=10,
+                    check=False,
+                )
+                .stdout.split("\n")[0]
+                .strip()
+            )
         except (OSError, subprocess.SubprocessError):
             info["driver"] = "unknown"
     else:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        info.update(device_name=f"cpu-{platform.processor() or platform.machine()}",
-                    mem_bytes=int(total // rdv.local_world_size))
+        info.update(
+            device_name=f"cpu-{platform.processor() or platform.machine()}",
+            mem_bytes=int(total // rdv.local_world_size),
+        )
     return info
 
 
@@ -160,20 +187,26 @@ def _collective(op: str, nbytes: int, group: dist.ProcessGroup, device: torch.de
     recv = torch.empty_like(full)
 
     def shift() -> None:
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, full, nxt, group),
-                                            dist.P2POp(dist.irecv, recv, prv, group)]):
+        for work in dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, full, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+        ):
             work.wait()
 
     return shift
 
 
-def _time_comm(opts: ProbeOptions, level: str, group: dist.ProcessGroup, device: torch.device,
-               clock: kernels.Clock, say: Callable[[str], None]) -> tuple[list[dict], list[float]]:
+def _time_comm(
+    opts: ProbeOptions,
+    level: str,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    clock: kernels.Clock,
+    say: Callable[[str], None],
+) -> list[dict]:
     """Every (op, size) on `group`: warm-up, then repeats each fenced by a group barrier and timing
     `inner` back-to-back calls (more for small messages, as nccl-tests averages its iterations, so
-    the barrier's exit skew weighs less); returns the records and this rank's flat list of per-call
-    times (max-reduced over ranks by the caller)."""
-    records, flat = [], []
+    the barrier's exit skew weighs less); each repeat's per-call time is the slowest rank's."""
+    records = []
     n = dist.get_world_size(group)
     for op in OPS:
         for nbytes in opts.message_sizes():
@@ -194,13 +227,17 @@ def _time_comm(opts: ProbeOptions, level: str, group: dist.ProcessGroup, device:
                     fn()
                 clock.sync()
                 times.append((time.perf_counter() - t0) / inner)
-            records.append({"level": level, "op": op, "group_size": n, "bytes": nbytes, "num": len(times)})
-            flat += times
+            worst = torch.tensor(times, dtype=torch.float64, device=device)
+            dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=group)  # as slow as its slowest rank
+            times = worst.cpu().tolist()
+            records.append({"level": level, "op": op, "group_size": n, "bytes": nbytes, "samples_s": times})
             median, rel = spread(times)
-            say(f"{level} {op:<14} n={n} {nbytes / 2**20:9.3f} MiB  {median * 1e3:8.3f} ms  "
-                f"busbw {bus_bandwidth(op, n, nbytes, median) / 1e9:7.3f} GB/s  spread {rel:4.0%}")
+            say(
+                f"{level} {op:<14} n={n} {nbytes / 2**20:9.3f} MiB  {median * 1e3:8.3f} ms  "
+                f"busbw {bus_bandwidth(op, n, nbytes, median) / 1e9:7.3f} GB/s  spread {rel:4.0%}"
+            )
             del fn
-    return records, flat
+    return records
 
 
 def _groups(rdv: Rendezvous, timeout: datetime.timedelta) -> dict[str, dist.ProcessGroup]:
@@ -232,56 +269,66 @@ def run_rank(opts: ProbeOptions, rdv: Rendezvous) -> dict | None:
     if rdv.store_path:
         store = dist.FileStore(rdv.store_path, rdv.world_size)
         store.set_timeout(timeout)
-        dist.init_process_group(opts.backend, store=store, rank=rdv.rank, world_size=rdv.world_size, timeout=timeout)
+        dist.init_process_group(
+            opts.backend, store=store, rank=rdv.rank, world_size=rdv.world_size, timeout=timeout
+        )
     else:
         dist.init_process_group(opts.backend, timeout=timeout)
     say, clock = _say(rdv), kernels.Clock(device, min_sample_s=0.005 if device.type == "cuda" else 0.02)
     env = _environment(opts, rdv, device)
     env["process_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    say(f"{rdv.world_size} ranks ({env['nnodes']} x {rdv.local_world_size}), {opts.backend}, {env['device_name']}")
+    say(
+        f"{rdv.world_size} ranks ({env['nnodes']} x {rdv.local_world_size}), {opts.backend}, {env['device_name']}"
+    )
     dtypes = ("bf16", "fp16", "tf32", "fp32") if device.type == "cuda" else ("fp32", "bf16", "fp16")
     if opts.quick and device.type != "cuda":
         dtypes = ("fp32", "bf16")
     train = "bf16" if device.type == "cuda" else "fp32"
-    dist.barrier()  # all ranks busy at once from here, each shape started together
-    compute = {"matmul": kernels.time_matmuls(clock, dtypes, quick=opts.quick, warmup=opts.warmup,
-                                              repeats=opts.repeats, progress=say,
-                                              together=lambda: _sync(None, device)),
-               "attention": kernels.time_attention(clock, train, quick=opts.quick, warmup=opts.warmup,
-                                                   repeats=opts.repeats),
-               "memory": kernels.time_memory(clock, quick=opts.quick, warmup=opts.warmup, repeats=opts.repeats),
-               "op_overhead": kernels.time_op_overhead(clock, repeats=opts.repeats)}
+    _sync(None, device)  # all ranks busy at once from here, each shape started together
+    compute = {
+        "matmul": kernels.time_matmuls(
+            clock,
+            dtypes,
+            quick=opts.quick,
+            warmup=opts.warmup,
+            repeats=opts.repeats,
+            progress=say,
+            together=lambda: _sync(None, device),
+        ),
+        "attention": kernels.time_attention(
+            clock, train, quick=opts.quick, warmup=opts.warmup, repeats=opts.repeats
+        ),
+        "memory": kernels.time_memory(clock, quick=opts.quick, warmup=opts.warmup, repeats=opts.repeats),
+        "op_overhead": kernels.time_op_overhead(clock, repeats=opts.repeats),
+    }
     say("compute done; collectives next")
     if opts.fail_rank == rdv.rank:
         if opts.fail_mode == "hang":
             time.sleep(opts.timeout_s * 10)
         os._exit(3)
-    records, flat = [], []
+    records = []  # rank 0 keeps those of its own groups: node 0's intra-node group, local rank 0's inter-node one
     for level, group in _groups(rdv, timeout).items():
-        recs, times = _time_comm(opts, level, group, device, clock, say)
-        records += recs
-        flat += times
-    worst = torch.tensor(flat, dtype=torch.float64, device=device)
-    dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
+        records += _time_comm(opts, level, group, device, clock, say)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         env["runtime_used_bytes"] = int(total - free - torch.cuda.memory_reserved(device))
     gathered = [None] * rdv.world_size if rdv.rank == 0 else None
     dist.gather_object(compute, gathered, dst=0)
-    dist.barrier()
+    _sync(None, device)
     dist.destroy_process_group()
     if rdv.rank != 0:
         return None
-    offset, worst_list = 0, worst.cpu().tolist()
-    for rec in records:
-        rec["samples_s"] = worst_list[offset: offset + rec.pop("num")]
-        offset += len(rec["samples_s"])
     return {"env": env, "train_dtype": train, "compute": gathered, "comm": records}
 
 
 def _fork_entry(local_rank: int, opts: ProbeOptions, workdir: str) -> None:
-    rdv = Rendezvous(rank=local_rank, world_size=opts.nproc_per_node, local_rank=local_rank,
-                     local_world_size=opts.nproc_per_node, store_path=os.path.join(workdir, "store"))
+    rdv = Rendezvous(
+        rank=local_rank,
+        world_size=opts.nproc_per_node,
+        local_rank=local_rank,
+        local_world_size=opts.nproc_per_node,
+        store_path=os.path.join(workdir, "store"),
+    )
     try:
         raw = run_rank(opts, rdv)
         if raw is not None:
@@ -301,11 +348,16 @@ def _failure(workdir: str, exc: BaseException | None, opts: ProbeOptions) -> Pro
         code = getattr(exc, "exit_code", None)
         why = f"exited with code {code} (killed or crashed, no Python error)" if code is not None else first
         if code is None and any(k in first.lower() for k in ("timeout", "timed out", "connection closed")):
-            why += (f" (a peer did not answer within --timeout {opts.timeout_s:g} s: "
-                    "a rank hung, died or cannot be reached)")
+            why += (
+                f" (a peer did not answer within --timeout {opts.timeout_s:g} s: "
+                "a rank hung, died or cannot be reached)"
+            )
         return ProbeFailed(f"rank {rank} of {opts.nproc_per_node} failed: {why}", tracebacks)
-    return ProbeFailed(f"profiling did not finish within its deadline of {_deadline(opts):.0f} s "
-                       "(a rank hangs or the machine is overloaded); pass --timeout or --quick", tracebacks)
+    return ProbeFailed(
+        f"profiling did not finish within its deadline of {_deadline(opts):.0f} s "
+        "(a rank hangs or the machine is overloaded); pass --timeout or --quick",
+        tracebacks,
+    )
 
 
 def _deadline(opts: ProbeOptions) -> float:
@@ -317,11 +369,14 @@ def probe_local(opts: ProbeOptions) -> dict:
     clash), wait at most the deadline, and return rank 0's raw measurements. Any failure: every rank
     stopped, ProbeFailed with each rank's traceback."""
     if opts.nnodes != 1:
-        raise ValueError(f"--nnodes {opts.nnodes} needs one launcher per node: run under torchrun "
-                         f"(torchrun --nnodes {opts.nnodes} --nproc-per-node {opts.nproc_per_node} ...)")
+        raise ValueError(
+            f"--nnodes {opts.nnodes} needs one launcher per node: run under torchrun "
+            f"(torchrun --nnodes {opts.nnodes} --nproc-per-node {opts.nproc_per_node} ...)"
+        )
     with tempfile.TemporaryDirectory(prefix="autoplan-profile-") as workdir:
-        context = mp.start_processes(_fork_entry, args=(opts, workdir), nprocs=opts.nproc_per_node,
-                                     join=False, start_method="fork")
+        context = mp.start_processes(
+            _fork_entry, args=(opts, workdir), nprocs=opts.nproc_per_node, join=False, start_method="fork"
+        )
         deadline = time.monotonic() + _deadline(opts)
         try:
             while not context.join(timeout=1.0):
@@ -343,7 +398,6 @@ def probe_torchrun(opts: ProbeOptions, rdv: Rendezvous) -> dict | None:
     try:
         return run_rank(opts, rdv)
     except Exception as exc:
-        raise ProbeFailed(f"rank {rdv.rank} of {rdv.world_size} failed: {exc}",
-                          {rdv.rank: traceback.format_exc()}) from exc
-
-
+        raise ProbeFailed(
+            f"rank {rdv.rank} of {rdv.world_size} failed: {exc}", {rdv.rank: traceback.format_exc()}
+        ) from exc

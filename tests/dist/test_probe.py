@@ -42,7 +42,10 @@ def test_quick_two_rank_profile_predicts_held_back_size_and_loads(tmp_path: Path
     """`autoplan profile --nproc-per-node 2 --quick` end to end: YAML + PNG written, the profile loads,
     and an all-reduce fit on the other sizes predicts the held-back 4 MiB median within 30 %."""
     out = tmp_path / "two-rank.yaml"
-    assert cli_main.main(["profile", "--nproc-per-node", "2", "--quick", "--out", str(out), "--timeout", "30"]) == 0
+    assert (
+        cli_main.main(["profile", "--nproc-per-node", "2", "--quick", "--out", str(out), "--timeout", "30"])
+        == 0
+    )
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two-rank.png", "two-rank.yaml"]
     measured = yaml.safe_load(out.read_text())["measured"]
@@ -55,7 +58,9 @@ def test_quick_two_rank_profile_predicts_held_back_size_and_loads(tmp_path: Path
 
     loaded = Cluster.load(out)
     assert loaded.devices_per_node == 2 and loaded.dtype == "fp32" and loaded.name == "two-rank"
-    assert loaded.intra_node.latency_s == pytest.approx(measured["comm_fits"]["intra_node"]["all_reduce"]["alpha_s"], rel=1e-5)
+    assert loaded.intra_node.latency_s == pytest.approx(
+        measured["comm_fits"]["intra_node"]["all_reduce"]["alpha_s"], rel=1e-5
+    )
     # per-rank large-matmul rate within a wide band of a lone single-thread run (2 ranks, 2 cores, shared machine)
     reference = _single_process_matmul_rate()
     assert 0.1 * reference < loaded.peak_flops * loaded.device.matmul_efficiency < 5 * reference

@@ -40,7 +40,9 @@ def test_refit_of_recorded_medians_gives_the_shipped_link(recorded) -> None:
     fits = {}
     for op, stored in measured["comm_fits"]["intra_node"].items():
         rows = [r for r in measured["comm"] if r["op"] == op and r["level"] == "intra_node"]
-        fit = fit_alpha_beta(op, rows[0]["group_size"], [r["bytes"] for r in rows], [r["time_s"] for r in rows])
+        fit = fit_alpha_beta(
+            op, rows[0]["group_size"], [r["bytes"] for r in rows], [r["time_s"] for r in rows]
+        )
         assert fit.alpha_s == pytest.approx(stored["alpha_s"], rel=1e-6)
         assert fit.bw_bytes_per_s == pytest.approx(stored["bw_bytes_per_s"], rel=1e-6)
         fits[op] = fit
@@ -48,7 +50,9 @@ def test_refit_of_recorded_medians_gives_the_shipped_link(recorded) -> None:
     nominal = max(f.bw_bytes_per_s for f in fits.values())  # CPU: no datasheet, best fitted bus bw
     assert link.bw_bytes_per_s == pytest.approx(nominal, rel=1e-5)
     assert link.latency_s == pytest.approx(fits["all_reduce"].alpha_s, rel=1e-5)
-    assert link.allreduce_busbw_fraction == pytest.approx(fits["all_reduce"].bw_bytes_per_s / nominal, rel=1e-5)
+    assert link.allreduce_busbw_fraction == pytest.approx(
+        fits["all_reduce"].bw_bytes_per_s / nominal, rel=1e-5
+    )
     assert link.alltoall_bw_fraction == pytest.approx(fits["all_to_all"].bw_bytes_per_s / nominal, rel=1e-5)
     assert link.p2p_bw_fraction == pytest.approx(fits["send_recv"].bw_bytes_per_s / nominal, rel=1e-5)
 
@@ -59,7 +63,9 @@ def test_fitted_model_tracks_the_recorded_measurements(recorded) -> None:
     _, measured = recorded
     for op, stored in measured["comm_fits"]["intra_node"].items():
         rows = [r for r in measured["comm"] if r["op"] == op]
-        fit = fit_alpha_beta(op, rows[0]["group_size"], [r["bytes"] for r in rows], [r["time_s"] for r in rows])
+        fit = fit_alpha_beta(
+            op, rows[0]["group_size"], [r["bytes"] for r in rows], [r["time_s"] for r in rows]
+        )
         ratio = np.array([fit.predict_s(r["bytes"]) / r["time_s"] for r in rows])
         assert np.median(np.abs(ratio - 1)) < 0.35, (op, ratio)
         assert np.mean((ratio > 0.5) & (ratio < 2)) >= 0.75, (op, ratio)

@@ -17,9 +17,23 @@ SHIPPED = ("dgx-a100-80gb", "dgx-h100-80gb", "h200", "local-cpu")
 # Vendor datasheets (dense tensor-core FLOP/s, HBM bytes/s, NVLink one direction, NIC per GPU):
 # A100 SXM4 80GB, H100 SXM5, H200 SXM datasheets; see /work/shared/FORMULAS.md.
 DATASHEET = {
-    "dgx-a100-80gb": dict(bf16=312e12, fp32=19.5e12, mem_bw=2.039e12, mem_gb=80, nvlink=300e9, nic=25e9),
-    "dgx-h100-80gb": dict(bf16=989e12, fp32=67e12, mem_bw=3.35e12, mem_gb=80, nvlink=450e9, nic=50e9),
-    "h200": dict(bf16=989e12, fp32=67e12, mem_bw=4.8e12, mem_gb=141, nvlink=450e9, nic=50e9),
+    "dgx-a100-80gb": {
+        "bf16": 312e12,
+        "fp32": 19.5e12,
+        "mem_bw": 2.039e12,
+        "mem_gb": 80,
+        "nvlink": 300e9,
+        "nic": 25e9,
+    },
+    "dgx-h100-80gb": {
+        "bf16": 989e12,
+        "fp32": 67e12,
+        "mem_bw": 3.35e12,
+        "mem_gb": 80,
+        "nvlink": 450e9,
+        "nic": 50e9,
+    },
+    "h200": {"bf16": 989e12, "fp32": 67e12, "mem_bw": 4.8e12, "mem_gb": 141, "nvlink": 450e9, "nic": 50e9},
 }
 
 
@@ -42,7 +56,7 @@ def test_shipped_profile_loads_with_sane_fractions(name: str) -> None:
     assert 0 < dev.runtime_reserve_bytes < dev.mem_bytes
     assert dev.matmul_half_size_flops > 0
     assert {d for d, _ in dev.peak_flops} == {"bf16", "fp16", "tf32", "fp32"}
-    spec.peak_flops  # the training dtype has a peak
+    assert spec.peak_flops == dev.peak(spec.dtype) > 0  # the training dtype has a peak
 
 
 @pytest.mark.parametrize("name", sorted(DATASHEET))

@@ -9,14 +9,26 @@ from pathlib import Path
 import pytest
 
 from autoplan.cli.profile import check_writable, register, write_atomic
-from autoplan.cluster import probe
-from autoplan.cluster import Cluster
+from autoplan.cluster import Cluster, probe
 from autoplan.cluster.load import dump_profile
 from autoplan.cluster.report import build_profile, summary_tables
 
-ALPHA, BUSBW = {"all_reduce": 30e-6, "all_gather": 20e-6, "reduce_scatter": 20e-6, "all_to_all": 40e-6,
-                "send_recv": 10e-6}, {"all_reduce": 360e9, "all_gather": 350e9, "reduce_scatter": 340e9,
-                                      "all_to_all": 270e9, "send_recv": 300e9}
+ALPHA, BUSBW = (
+    {
+        "all_reduce": 30e-6,
+        "all_gather": 20e-6,
+        "reduce_scatter": 20e-6,
+        "all_to_all": 40e-6,
+        "send_recv": 10e-6,
+    },
+    {
+        "all_reduce": 360e9,
+        "all_gather": 350e9,
+        "reduce_scatter": 340e9,
+        "all_to_all": 270e9,
+        "send_recv": 300e9,
+    },
+)
 SIZES = [2**k for k in range(12, 29, 2)]
 
 
@@ -33,19 +45,50 @@ def _raw(device_name: str, backend: str, n: int = 8, train: str = "bf16") -> dic
     for m in (512, 1024, 2048, 4096, 8192):
         flops = 2.0 * m**3
         t = flops / (peak * eff * flops / (flops + half))
-        matmul.append({"dtype": train, "shape": [m, m, m], "flops": flops, "samples_s": [t, t * 1.01, t * 0.99]})
+        matmul.append(
+            {"dtype": train, "shape": [m, m, m], "flops": flops, "samples_s": [t, t * 1.01, t * 0.99]}
+        )
     att_flops = 4.0 * 4 * 32 * 4096**2 * 128 / 2
-    rank = {"matmul": matmul,
-            "attention": {"dtype": train, "shape": [4, 32, 4096, 128], "flops": att_flops,
-                          "samples_s": [att_flops / (0.5 * peak)] * 3},
-            "memory": {"bytes": 2**30, "copy_bytes_moved": 2**31, "copy_samples_s": [2**31 / 3.0e12] * 3,
-                       "add_bytes_moved": 3 * 2**30, "add_samples_s": [3 * 2**30 / 2.85e12] * 3},
-            "op_overhead": {"calls": 200, "samples_s": [6e-6] * 3}}
-    comm = [{"level": "intra_node", "op": op, "group_size": n, "bytes": s, "samples_s": [_ring_time(op, n, s)] * 5}
-            for op in ALPHA for s in SIZES]
-    env = {"device_name": device_name, "backend": backend, "nproc_per_node": n, "world_size": n, "nnodes": 1,
-           "hostname": "test", "date": "2026-01-01T00:00:00+00:00", "torch": "2.13.0", "mem_bytes": 80 * 2**30,
-           "runtime_used_bytes": 2**30}
+    rank = {
+        "matmul": matmul,
+        "attention": {
+            "dtype": train,
+            "shape": [4, 32, 4096, 128],
+            "flops": att_flops,
+            "samples_s": [att_flops / (0.5 * peak)] * 3,
+        },
+        "memory": {
+            "bytes": 2**30,
+            "copy_bytes_moved": 2**31,
+            "copy_samples_s": [2**31 / 3.0e12] * 3,
+            "add_bytes_moved": 3 * 2**30,
+            "add_samples_s": [3 * 2**30 / 2.85e12] * 3,
+        },
+        "op_overhead": {"calls": 200, "samples_s": [6e-6] * 3},
+    }
+    comm = [
+        {
+            "level": "intra_node",
+            "op": op,
+            "group_size": n,
+            "bytes": s,
+            "samples_s": [_ring_time(op, n, s)] * 5,
+        }
+        for op in ALPHA
+        for s in SIZES
+    ]
+    env = {
+        "device_name": device_name,
+        "backend": backend,
+        "nproc_per_node": n,
+        "world_size": n,
+        "nnodes": 1,
+        "hostname": "test",
+        "date": "2026-01-01T00:00:00+00:00",
+        "torch": "2.13.0",
+        "mem_bytes": 80 * 2**30,
+        "runtime_used_bytes": 2**30,
+    }
     return {"env": env, "train_dtype": train, "compute": [rank, rank], "comm": comm}
 
 
@@ -134,10 +177,12 @@ def test_bad_flags_are_one_clear_error(monkeypatch) -> None:
         return real_probe(opts)  # raises at once: --nnodes > 1 without torchrun
 
     monkeypatch.setattr(probe, "probe_local", must_not_measure)
-    for argv, message in ((("--nproc-per-node", "0"), "--nproc-per-node must be a positive integer"),
-                          (("--nproc-per-node", "1"), "at least 2 ranks"),
-                          (("--nnodes", "2"), "needs one launcher per node: run under torchrun"),
-                          (("--backend", "nccl"), "needs CUDA GPUs")):
+    for argv, message in (
+        (("--nproc-per-node", "0"), "--nproc-per-node must be a positive integer"),
+        (("--nproc-per-node", "1"), "at least 2 ranks"),
+        (("--nnodes", "2"), "needs one launcher per node: run under torchrun"),
+        (("--backend", "nccl"), "needs CUDA GPUs"),
+    ):
         args = _profile_args("--out", "/tmp/never-written.yaml", *argv)
         with pytest.raises(ValueError, match=message):
             args.func(args)

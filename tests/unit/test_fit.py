@@ -21,8 +21,13 @@ SIZES = np.array([2.0**k for k in range(12, 29, 2)])  # 4 KiB .. 256 MiB
 
 def _ring_time(op: str, n: int, nbytes: np.ndarray, alpha: float, bw: float) -> np.ndarray:
     """Hand-written ring formulas (FORMULAS.md, 'Collectives'), independent of fit.py's tables."""
-    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1,
-             "all_to_all": n - 1, "send_recv": 1}[op]
+    steps = {
+        "all_reduce": 2 * (n - 1),
+        "all_gather": n - 1,
+        "reduce_scatter": n - 1,
+        "all_to_all": n - 1,
+        "send_recv": 1,
+    }[op]
     volume = {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(op, (n - 1) / n)
     return steps * alpha + volume * nbytes / bw
 
@@ -54,7 +59,9 @@ def test_noisy_measurements_recover_within_a_few_percent() -> None:
     assert fit.alpha_s == pytest.approx(alpha, rel=0.1)
     assert fit.bw_bytes_per_s == pytest.approx(bw, rel=0.05)
     held_back = 3 * 2.0**20
-    assert fit.predict_s(held_back) == pytest.approx(_ring_time("all_reduce", n, np.array(held_back), alpha, bw), rel=0.05)
+    assert fit.predict_s(held_back) == pytest.approx(
+        _ring_time("all_reduce", n, np.array(held_back), alpha, bw), rel=0.05
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -97,7 +104,9 @@ def test_matmul_fit_recovers_efficiency_and_half_size() -> None:
     fit = fit_matmul(flops, rates, peak)
     assert fit.efficiency == pytest.approx(eff, rel=1e-4)
     assert fit.half_size_flops == pytest.approx(half, rel=1e-3)
-    assert fit.predict_flops_per_s(2 * 3000.0**3) == pytest.approx(peak * eff * 5.4e10 / (5.4e10 + half), rel=1e-3)
+    assert fit.predict_flops_per_s(2 * 3000.0**3) == pytest.approx(
+        peak * eff * 5.4e10 / (5.4e10 + half), rel=1e-3
+    )
 
 
 def test_matmul_fit_without_peak_uses_the_asymptote() -> None:
