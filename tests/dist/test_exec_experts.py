@@ -77,6 +77,46 @@ def test_ep_outputs_and_gradients_equal_reference(ep: int) -> None:
     print(f"ep{ep}: {max(r[2] for r in results):.2f} s per rank")
 
 
+def _skewed_routing(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """ExpertParallel alone with routing that leaves rank 1's experts without any token (zero splits both
+    ways, an expert run on zero rows) and sends rank 0's tokens unevenly."""
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    experts, x, topk_idx, topk_weight, probe = _skewed_inputs()
+    layer = ExpertParallel(experts, mesh["ep"])
+    x = x[rank].requires_grad_()
+    out = layer(x, topk_idx[rank], topk_weight[rank])
+    (out * probe[rank]).sum().backward()
+    return out.detach(), x.grad, {n: p.grad.full_tensor() for n, p in layer.named_parameters()}
+
+
+def _skewed_inputs() -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(SEED)
+    experts = preset(MODEL).layers["1"].mlp.experts  # 4 experts; ep2: rank 0 owns 0, 1 and rank 1 owns 2, 3
+    for weight in (experts.w1, experts.w2, experts.w3):
+        torch.nn.init.normal_(weight, std=0.2)
+    x = torch.randn(2, 5, experts.w1.shape[2])
+    topk_idx = torch.tensor([[[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]],  # rank 0: nothing for rank 1's experts
+                             [[0, 1], [1, 0], [0, 1], [1, 0], [1, 0]]])  # rank 1: likewise
+    topk_weight = torch.softmax(torch.randn(2, 5, 2), dim=-1)
+    return experts, x, topk_idx, topk_weight, torch.randn(2, 5, x.shape[-1])  # probe: loss = sum(out * probe)
+
+
+def test_ep_with_zero_splits_equals_reference() -> None:
+    experts, x, topk_idx, topk_weight, probe = _skewed_inputs()
+    x = x.requires_grad_()
+    outs = [experts(x[r], topk_idx[r], topk_weight[r]) for r in range(2)]
+    # the loss of both ranks together; expert weights are scaled by 1/ep like any data-parallel mean
+    sum((out * probe[r]).sum() for r, out in enumerate(outs)).backward()
+    results = run_ranks(_skewed_routing, 2)
+    for rank, (out, x_grad, grads) in enumerate(results):
+        torch.testing.assert_close(out, outs[rank].detach())
+        torch.testing.assert_close(x_grad, x.grad[rank])
+        for name, grad in grads.items():
+            ref = getattr(experts, name).grad
+            torch.testing.assert_close(grad, (torch.zeros_like(ref) if ref is None else ref) / 2, msg=name)
+        assert grads["w1"][2:].abs().sum() == 0  # rank 1's experts saw no token: zero, not missing, gradients
+
+
 @pytest.mark.parametrize("config", [
     ParallelConfig(ep=2, dp=2, zero=3),
     ParallelConfig(ep=2, dp=2, zero=0),
