@@ -150,7 +150,7 @@ def _runs_of(problem: StageProblem, graph: LayerGraph) -> list[list[str]]:
 
 
 def refine(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
-           modes: tuple[Recompute, ...], cost_model: Any, time_limit_s: float = 3.0) -> Layout | None:
+           modes: tuple[Recompute, ...], cost_model: Any, time_limit_s: float = 1.5) -> Layout | None:
     """The fastest stage split and per-layer recompute for `config` (None when no split fits)."""
     if not any(layer.role is LayerRole.BLOCK for layer in graph.layers):
         return None
@@ -160,6 +160,6 @@ def refine(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, g
         return None  # already within 0.5 % of a perfectly even split with no recompute: nothing to gain
     try:
         solution = solve_ilp(problem, time_limit_s=time_limit_s)
-    except RuntimeError:
-        solution = solve_dp(problem)  # the solver stopped without a solution: the DP's (exact for v = 1)
+    except RuntimeError:  # the solver stopped without any solution: the DP's (exact for v = 1), if small
+        solution = solve_dp(problem) if problem.num_stages <= 16 else None
     return None if solution is None else decode(graph, config, runs, solution, modes)

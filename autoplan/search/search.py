@@ -25,7 +25,7 @@ QUICK_MEM_SLACK = 1.05  # the quick memory estimate mirrors the exact one (check
 SHORTLIST = 32  # candidates per round of exact estimates
 MAX_EXACT = 160  # at most this many exact estimates
 STOP_MARGIN = 1.02  # stop once the next quick estimate is this much slower than the k-th exact time
-REFINE_BUDGET_S = 4.0
+REFINE_BUDGET_S = 3.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph, LayerRole
-from autoplan.plan.types import ParallelConfig, Schedule
+from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
@@ -85,19 +85,36 @@ def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
 _COMM = ("ar_dense", "rs_dense", "ag_dense", "ar_expert", "rs_expert", "ag_expert", "p2p")
 
 
+def _placement(sizes: tuple[int, ...], wanted: tuple[str, ...], devices_per_node: int, cost: Any) -> Any:
+    """cost.comm.group_placement's rule in numpy: the group of rank 0 along `wanted` axes (sizes in
+    MESH_AXIS_ORDER, tp innermost), its node count and its fewest members on a node."""
+    ranks = np.zeros(1, dtype=np.int64)
+    stride = 1
+    for axis, size in zip(reversed(MESH_AXIS_ORDER), reversed(sizes)):
+        if axis.value in wanted and size > 1:
+            ranks = (ranks[None, :] + stride * np.arange(size)[:, None]).ravel()
+        stride *= size
+    counts = np.bincount(ranks // devices_per_node)
+    counts = counts[counts > 0]
+    return cost.GroupPlacement(size=len(ranks), num_nodes=len(counts), per_node=int(counts.min()))
+
+
 def comm_lines(space: Space, cluster: ClusterSpec, cost: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Per candidate, (alpha, beta) with time = alpha + beta * bytes for the collectives of its mesh, from
     the cost model's own functions (two sizes per unique mesh; exact for its ring formulas)."""
     c = space.columns
-    mesh = np.stack([c[k] for k in ("tp", "pp", "dp", "cp", "ep")], axis=1)
-    uniq, inverse = np.unique(mesh, axis=0, return_inverse=True)
+    code = np.zeros(len(space), dtype=np.int64)
+    for col in ("pp", "dp", "ep", "cp", "tp"):
+        code = code * (int(c[col].max(initial=0)) + 1) + c[col]
+    _, first_row, inverse = np.unique(code, return_index=True, return_inverse=True)
+    uniq = [tuple(int(c[k][r]) for k in ("pp", "dp", "ep", "cp", "tp")) for r in first_row.tolist()]
     lines = np.zeros((len(uniq), len(_COMM), 2))
     s1, s2 = 1e8, 2e8
-    for i, (tp, pp, dp, cp, ep) in enumerate(uniq.tolist()):
-        config = ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)
-        dense = cost.group_placement(config, ("dp", "ep", "cp"), cluster.devices_per_node)
-        expert = cost.group_placement(config, ("dp", "cp"), cluster.devices_per_node)
-        cross = cost.group_placement(config, ("pp",), cluster.devices_per_node).crosses_nodes
+    dpn = cluster.devices_per_node
+    for i, sizes in enumerate(uniq):
+        dense = _placement(sizes, ("dp", "ep", "cp"), dpn, cost)
+        expert = _placement(sizes, ("dp", "cp"), dpn, cost)
+        cross = _placement(sizes, ("pp",), dpn, cost).crosses_nodes
         calls = ((cost.all_reduce_s, dense), (cost.reduce_scatter_s, dense), (cost.all_gather_s, dense),
                  (cost.all_reduce_s, expert), (cost.reduce_scatter_s, expert), (cost.all_gather_s, expert),
                  (cost.p2p_s, cross))

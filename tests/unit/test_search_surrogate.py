@@ -32,3 +32,13 @@ def test_exact_best_is_among_the_quick_shortlist() -> None:
                       for r in range(len(space))])
     best = int(np.argmin(exact))
     assert best in np.argsort(quick.step_time_s)[:32].tolist()
+
+
+def test_vectorised_placement_matches_the_cost_model() -> None:
+    from autoplan.plan.types import ParallelConfig
+    from autoplan.search.surrogate import _placement
+
+    for pp, dp, ep, cp, tp, node in [(2, 4, 1, 2, 8, 8), (4, 8, 2, 1, 2, 8), (1, 16, 1, 4, 1, 4), (8, 2, 1, 1, 4, 6)]:
+        config = ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
+        for axes in (("dp", "ep", "cp"), ("dp", "cp"), ("pp",), ("tp",)):
+            assert _placement((pp, dp, ep, cp, tp), axes, node, cost) == cost.group_placement(config, axes, node)
