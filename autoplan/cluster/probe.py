@@ -211,12 +211,14 @@ def _time_comm(
     for op in OPS:
         for nbytes in opts.message_sizes():
             fn = _collective(op, nbytes, group, device)
-            t_warm = time.perf_counter()
-            for _ in range(opts.warmup):
+            for _ in range(max(1, opts.warmup - 1)):  # the first call on a group also builds communicators
                 fn()
             clock.sync()
+            t_warm = time.perf_counter()
+            fn()
+            clock.sync()
             # calls over 0.2 s are long enough that fewer repeats suffice (rank 0 decides for all)
-            slow = torch.tensor([float(time.perf_counter() - t_warm > 0.2 * opts.warmup)], device=device)
+            slow = torch.tensor([float(time.perf_counter() - t_warm > 0.2)], device=device)
             dist.broadcast(slow, src=dist.get_global_rank(group, 0), group=group)
             repeats = 3 if slow.item() else opts.repeats
             times, inner = [], max(1, min(8, 2**20 // nbytes))
