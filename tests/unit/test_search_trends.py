@@ -57,6 +57,8 @@ def test_ample_memory_no_sharding_no_recompute_and_best_matches_sweep() -> None:
                               schedules=("1f1b", "gpipe"))
     best = plans[0]
     assert best.config.recompute is Recompute.NONE and not best.layer_recompute
+    # nothing forces the model apart: splitting layers (tp) or the model (pp) would only add communication
+    assert best.config.tp == 1 and best.config.pp == 1
     reference = min(e.step_time_s for _, e in _sweep(GRAPH, cluster, 8) if e.fits)
     # the search covers the sweep (and may do better with an uneven split): never slower than its best
     assert best.estimate.step_time_s <= reference * (1 + 1e-9)
