@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from harness import assert_matches_reference, reference, run_plan
 
-from autoplan.plan.types import ParallelConfig
+from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Plan, Stage
 
 STEPS = 3
 
@@ -40,6 +40,17 @@ def test_dp2(zero: int) -> None:
 ], ids=["gpipe", "1f1b", "interleaved-v2", "zb-looped", "zbv"])
 def test_pp2_schedules(schedule: str, virtual_stages: int) -> None:
     check("tiny-gpt", ParallelConfig(pp=2, schedule=schedule, virtual_stages=virtual_stages, microbatch=2))
+
+
+def test_pp2_uneven_cut_from_a_plan() -> None:
+    estimate = Estimate(step_time_s=0.1, tokens_per_s=1.0, mfu=0.1, peak_mem_bytes=1, mem_capacity_bytes=2,
+                        fits=True, breakdown=Breakdown())
+    stages = (Stage(index=0, layer_names=("embed", "layers.0")),
+              Stage(index=1, layer_names=("layers.1", "layers.2", "layers.3", "norm", "head")))
+    plan = Plan(config=ParallelConfig(pp=2, dp=2, zero=3, schedule="1f1b"), estimate=estimate,
+                model_name="tiny-gpt", cluster_name="local-cpu", num_devices=4, global_batch=8, seq_len=16,
+                stages=stages, layer_recompute=(("layers.2", "full"),))
+    assert_matches_reference(run_plan("tiny-gpt", plan, steps=STEPS), reference("tiny-gpt", steps=STEPS))
 
 
 def test_3d_pp2_dp2_tp2_on_8_ranks() -> None:

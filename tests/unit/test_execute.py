@@ -13,7 +13,7 @@ from autoplan.execute.launch import diagnose, read_plan, torchrun_command, write
 from autoplan.execute.pipeline import check_stages, even_stages, extract_stage, local_stage_indices
 from autoplan.execute.recompute import apply_recompute, original_fqn
 from autoplan.execute.tensor_parallel import check_tensor_parallel
-from autoplan.execute.train import TrainOptions, local_batch, make_batch
+from autoplan.execute.train import TrainOptions, TrainResult, local_batch, make_batch, report
 from autoplan.models import preset
 from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Plan, Recompute, Stage
 
@@ -167,6 +167,23 @@ def test_diagnose_blames_the_hung_rank_not_the_ones_that_timed_out(tmp_path) -> 
     (tmp_path / "stack-0.txt").write_text("")  # nobody was stopped: the first timeout is all there is
     rank, message = diagnose(str(tmp_path), "")
     assert rank == 1 and message.startswith("rank 1 failed: DistBackendError: Timed out")
+
+
+def test_report_holds_losses_median_step_time_and_the_prediction() -> None:
+    estimate = Estimate(step_time_s=0.5, tokens_per_s=1.0, mfu=0.5, peak_mem_bytes=7, mem_capacity_bytes=8,
+                        fits=True, breakdown=Breakdown())
+    plan = Plan(config=ParallelConfig(dp=2, zero=1), estimate=estimate, model_name="tiny-gpt", cluster_name="x",
+                num_devices=2, global_batch=4, seq_len=8)
+    result = TrainResult(losses=[3.0, 2.0, 1.0, 0.5], step_times_s=[9.0, 0.3, 0.1, 0.2], peak_mem_bytes=5)
+    out = report(result, plan=plan, model_name="tiny-gpt", options=TrainOptions(steps=4, global_batch=4, seq_len=8),
+                 peak_mem_per_rank=[5, 6], world_size=2)
+    assert out["losses"] == [3.0, 2.0, 1.0, 0.5] and out["step_time_s"] == 0.2  # median of 0.3, 0.1, 0.2
+    assert out["predicted_step_time_s"] == 0.5 and out["peak_mem_bytes_per_rank"] == [5, 6]
+    assert out["plan"] == plan.config.to_dict() and out["numerics"]["zero1_runs_as_zero2"] is True
+    assert json.loads(json.dumps(out)) == out
+    assert "predicted_step_time_s" not in report(result, plan=plan.config, model_name="tiny-gpt",
+                                                 options=TrainOptions(steps=4, global_batch=4, seq_len=8),
+                                                 peak_mem_per_rank=[5, 6], world_size=2)
 
 
 def test_tensor_parallel_degree_must_divide_heads_ffn_and_vocab() -> None:
