@@ -48,10 +48,10 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
         status(f"quick estimates of {len(space):,} candidates")
         quick = quick_estimate(graph, cluster, space, options.global_batch, cost)
         found = _exact_rounds(graph, cluster, space, quick, options, cost, status)
-        if not found:
-            raise ValueError(nothing_fits_message(graph, cluster, space, quick, options, cost))
         if options.use_ilp:
             found = _refine_best(graph, cluster, space, quick, found, options, cost, status)
+        if not found:
+            raise ValueError(nothing_fits_message(graph, cluster, space, quick, options, cost))
     ranked = sorted(found, key=lambda c: c.estimate.step_time_s)[:options.top_k]
     plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost) for i, cand in enumerate(ranked)]
     return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row))
@@ -86,31 +86,31 @@ def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, sta
 
 def _refine_best(graph, cluster, space: Space, quick: Quick, found: list[Candidate], options, cost,
                  status) -> list[Candidate]:
-    """Per-layer recompute and the stage split of the best candidates, and of the fastest ones that
-    only fail for memory without recompute (a mix of recompute modes may fit them)."""
+    """Per-layer recompute and the stage split of the best candidates, of the fastest ones that only
+    fail for memory without recompute (a mix of recompute modes may fit them), and, when nothing fit
+    at all, of the least memory-hungry pipelined ones (an uneven split may fit them)."""
     found = sorted(found, key=lambda c: c.estimate.step_time_s)
-    best_s = found[0].estimate.step_time_s
-    todo = [c.row for c in found[:options.top_k + 2]]
     cap = cluster.device.mem_bytes
-    tight = np.nonzero((space.columns["recompute"] == RECOMPUTES.index(Recompute.NONE))
-                       & (quick.peak_mem_bytes > cap) & (quick.peak_mem_bytes <= 3 * cap)
-                       & (quick.step_time_s < best_s))[0]
-    todo += tight[np.argsort(quick.step_time_s[tight])][:options.top_k].tolist()
+    if found:
+        todo = [c.row for c in found[:options.top_k + 2]]
+        tight = np.nonzero((space.columns["recompute"] == RECOMPUTES.index(Recompute.NONE))
+                           & (quick.peak_mem_bytes > cap) & (quick.peak_mem_bytes <= 3 * cap)
+                           & (quick.step_time_s < found[0].estimate.step_time_s))[0]
+        todo += tight[np.argsort(quick.step_time_s[tight])][:options.top_k].tolist()
+    else:
+        piped = np.nonzero(space.columns["pp"] > 1)[0]
+        todo = piped[np.argsort(quick.peak_mem_bytes[piped])][:2 * options.top_k].tolist()
     seen = {(c.config, c.stages, c.layer_recompute) for c in found}
     start = time.perf_counter()
     for n, row in enumerate(dict.fromkeys(todo)):
         if time.perf_counter() - start > REFINE_BUDGET_S:
             break
         status(f"stage split and per-layer recompute (ILP) {n + 1}/{len(todo)}")
-        config = space.config(row)
-        layout = refine(graph, cluster, config, global_batch=options.global_batch, modes=options.recompute,
-                        cost_model=cost)
-        if layout is None:
+        layout = refine(graph, cluster, space.config(row), global_batch=options.global_batch,
+                        modes=options.recompute, cost_model=cost)
+        if layout is None or (layout.config, layout.stages, layout.layer_recompute) in seen:
             continue
-        key = (layout.config, layout.stages, layout.layer_recompute)
-        if key in seen:
-            continue
-        seen.add(key)
+        seen.add((layout.config, layout.stages, layout.layer_recompute))
         est = cost.estimate_config(graph, cluster, layout.config, global_batch=options.global_batch,
                                    stages=layout.stages, layer_recompute=dict(layout.layer_recompute))
         if est.fits:

@@ -118,3 +118,20 @@ def test_per_layer_recompute_beats_every_uniform_config_when_memory_is_between()
     assert best.estimate.step_time_s < uniform  # ... strictly faster than any single mode that fits
     again = estimate_config(graph, cluster, best.config, global_batch=4, layer_recompute=dict(best.layer_recompute))
     assert again.fits and again.step_time_s == pytest.approx(best.estimate.step_time_s)
+
+
+def test_an_uneven_stage_split_fits_where_the_balanced_one_does_not() -> None:
+    # a heavy head (vocab 65536): with the balanced 4 + 4 blocks the last stage overflows by a little
+    graph = gpt_graph(h=1024, a=8, layers=8, seq=1024, vocab=65536)
+    base = a100_cluster(1, per_node=2)
+    config = ParallelConfig(pp=2, microbatch=1, recompute=Recompute.FULL)
+    balanced = estimate_config(graph, base, config, global_batch=8).peak_mem_bytes
+    cluster = _with_memory(base, balanced - 2**26)  # 64 MiB short of what the balanced split needs
+    fixed = {"pp": 2, "tp": 1, "cp": 1, "microbatch": 1, "recompute": "full", "schedules": "1f1b"}
+    plan = autoplan.autoplan(graph, cluster, global_batch=8, seq_len=1024, top_k=1, **fixed)[0]
+    assert not estimate_config(graph, cluster, config, global_batch=8).fits  # the reference: balanced overflows
+    sizes = [sum(n.startswith("layers.") for n in s.layer_names) for s in plan.stages]
+    assert sum(sizes) == 8 and sizes != [4, 4]
+    again = estimate_config(graph, cluster, plan.config, global_batch=8,
+                            stages=tuple(s.layer_names for s in plan.stages))
+    assert again.fits and again.peak_mem_bytes <= cluster.device.mem_bytes
