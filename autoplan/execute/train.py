@@ -134,6 +134,9 @@ def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, 
     meshes = sub_meshes(mesh)
     config.num_microbatches(options.global_batch)  # raises when the batch does not divide
     model = build_model(model_name, options.seed)
+    if options.seq_len > model.config.max_seq_len:
+        raise ValueError(f"seq_len {options.seq_len} exceeds {model_name}'s max_seq_len "
+                         f"{model.config.max_seq_len}: use --seq-len <= {model.config.max_seq_len}")
     parts = apply_plan(model, plan, meshes, device=device)
     indices = local_stage_indices(config, meshes.rank_on("pp")) if config.pp > 1 else (0,)
     optimizers = [torch.optim.AdamW(p.parameters(), lr=options.lr, weight_decay=options.weight_decay,
@@ -155,16 +158,16 @@ def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, nu
             args = (inputs,) if holds_first_stage(job.indices) else ()
             kwargs = {"target": targets, "losses": losses} if last else {}
             job.schedule.step(*args, **kwargs)
-            return sum(_scalar(x) for x in losses) / len(losses) if last else None
-        part, total = job.parts[0], 0.0
+            return _scalar(sum(x.detach() for x in losses)) / len(losses) if last else None
+        part, total = job.parts[0], None
         for i, (mb_inputs, mb_targets) in enumerate(zip(inputs.chunk(num_microbatches),
                                                         targets.chunk(num_microbatches))):
             if isinstance(part, FSDPModule):  # accumulate locally, reduce once after the last microbatch
                 part.set_requires_gradient_sync(i == num_microbatches - 1)
             loss = cross_entropy(part(mb_inputs), mb_targets) / num_microbatches
             loss.backward()
-            total += _scalar(loss)
-        return total
+            total = loss.detach() if total is None else total + loss.detach()  # one device sync, below
+        return _scalar(total)
 
 
 def _global_loss(job: _Job, local: float | None) -> float:
