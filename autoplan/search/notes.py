@@ -38,7 +38,7 @@ def _same_except(space: Space, row: int, **changes: int) -> np.ndarray:
 
 
 def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: ClusterSpec, space: Space, quick: Quick,
-               row: int) -> tuple[str, ...]:
+               row: int, cost: Any = None) -> tuple[str, ...]:
     c, est = plan.config, plan.estimate
     notes = ["Time per step {:.3g} s: {}.".format(est.step_time_s, ", ".join(
         f"{_CAUSES[k]} {f:.0%}" for k, f in top_causes(plan)))]
@@ -50,6 +50,8 @@ def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: Cluste
                      + ("; sequence parallelism divides the remaining activations by tp too." if c.sp else "."))
     else:
         notes.append("tp=1: layers run whole on each device, with no per-layer communication.")
+    ctx = {"space": space, "quick": quick, "row": row, "cost": cost, "graph": graph, "cluster": cluster}
+    notes += _alternatives("tp", plan, ctx)
     blocks = len(graph.blocks)
     if c.pp > 1:
         sizes = [sum(1 for n in s.layer_names if n in {b.name for b in graph.blocks}) for s in plan.stages]
@@ -59,6 +61,7 @@ def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: Cluste
                      f"(schedule {c.schedule.value}" + (f", v={c.virtual_stages})." if c.virtual_stages > 1 else ")."))
     else:
         notes.append("pp=1: every device holds all the blocks; no pipeline bubble.")
+    notes += _alternatives("pp", plan, ctx)
     m = est.memory
     notes.append(f"Memory per device {est.peak_mem_bytes / GIB:.1f} of {est.mem_capacity_bytes / GIB:.0f} GiB: "
                  f"weights {m.weights / GIB:.1f}, gradients {m.gradients / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, "
@@ -74,6 +77,29 @@ def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: Cluste
         gain = nxt.estimate.step_time_s / est.step_time_s - 1
         notes.append(f"{gain:.1%} faster than plan #2 ({diff or 'a different stage split'}).")
     return tuple(notes)
+
+
+def _alternatives(axis: str, plan: Plan, ctx: dict[str, Any]) -> list[str]:
+    """Why this degree (for the best plan): at each other degree, the fastest of its two quickest
+    fitting candidates by the exact estimate, relative to this plan."""
+    space, quick, row, cost = ctx["space"], ctx["quick"], ctx["row"], ctx["cost"]
+    if row < 0 or plan.rank != 1 or cost is None:
+        return []
+    col = space.columns[axis]
+    fit = quick.peak_mem_bytes <= plan.estimate.mem_capacity_bytes
+    parts = []
+    for value in np.unique(col).tolist():
+        if value == col[row]:
+            continue
+        idx = np.nonzero((col == value) & fit)[0]
+        times = [e.step_time_s for e in (cost.estimate_config(ctx["graph"], ctx["cluster"], space.config(r),
+                                                              global_batch=plan.global_batch)
+                                         for r in idx[np.argsort(quick.step_time_s[idx])[:2]].tolist()) if e.fits]
+        parts.append(f"{axis}={value} " + (f"{min(times) / plan.estimate.step_time_s - 1:+.0%}" if times
+                                           else "does not fit"))
+    if not parts:
+        return []
+    return [f"Best plan found at other {axis} degrees, vs this one: " + ", ".join(parts) + "."]
 
 
 def _memory_reasons(plan: Plan, space: Space, quick: Quick, row: int) -> list[str]:

@@ -54,7 +54,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
             raise ValueError(nothing_fits_message(graph, cluster, space, quick, options, cost))
     ranked = sorted(found, key=lambda c: c.estimate.step_time_s)[:options.top_k]
     plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost) for i, cand in enumerate(ranked)]
-    return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row))
+    return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost))
                  for p, cand in zip(plans, ranked))
 
 
