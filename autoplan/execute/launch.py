@@ -3,7 +3,8 @@
 `execute(plan_or_config, model, steps=...)` (the Python API, also `autoplan.execute`) writes the plan
 JSON, runs `python -m torch.distributed.run --standalone --nproc-per-node K -m autoplan.execute.worker`
 and returns the run report. A failing job raises RunFailed naming the first rank that failed on its
-own (its traceback), else a rank killed by a signal, else the first communication error.
+own (its traceback), else a rank killed by a signal, else a hung rank (its stack), else the first
+communication error. Multi-node: each node's launcher sees its own ranks' error files only.
 """
 
 from __future__ import annotations
