@@ -144,17 +144,20 @@ def time_memory(clock: Clock, *, quick: bool, warmup: int, repeats: int) -> dict
 
 
 def time_op_overhead(clock: Clock, *, repeats: int) -> dict:
-    """Host time to issue one small framework op (Python, dispatcher, kernel launch): a loop of
-    tiny adds timed on the host clock; on a GPU the kernels (~2 us) queue faster than they issue."""
+    """Host time to issue one small framework op (Python, dispatcher, kernel launch): loops of tiny
+    adds on the host clock, each loop lasting at least clock.min_sample_s so that an oversubscribed
+    CPU's time slicing is in it; on a GPU the kernels (~2 us) queue faster than they issue."""
     x = torch.ones(16, device=clock.device)
     y = torch.empty_like(x)
-    calls = 200
-    samples = []
-    for _ in range(repeats + 1):
+
+    def loop(calls: int) -> float:
         clock.sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             torch.add(x, 1.0, out=y)
-        samples.append((time.perf_counter() - t0) / calls)
+        elapsed = time.perf_counter() - t0
         clock.sync()
-    return {"calls": calls, "samples_s": samples[1:]}
+        return elapsed / calls
+
+    calls = int(min(100_000, max(200, math.ceil(clock.min_sample_s / max(loop(200), 1e-9)))))
+    return {"calls": calls, "samples_s": [loop(calls) for _ in range(repeats)]}

@@ -158,7 +158,7 @@ def _compute(raw: dict, base: ClusterSpec | None, comments: dict, measured: dict
     overhead, overhead_rel = spread(_all_ranks(compute, "op_overhead"))
     measured["op_overhead"] = {"time_s": overhead, "spread": overhead_rel}
     comments["device.op_overhead_s"] = (
-        f"measured: host time per tiny op over {compute[0]['op_overhead']['calls']} back-to-back adds, all ranks at once"
+        f"measured: host time per tiny op, loops of {compute[0]['op_overhead']['calls']} adds, all ranks at once"
     )
     device = DeviceSpec(
         name=env["device_name"],
