@@ -64,7 +64,9 @@ def test_fitted_model_tracks_the_recorded_measurements(recorded) -> None:
     _, measured = recorded
     for op, stored in measured["comm_fits"]["intra_node"].items():
         rows = [r for r in measured["comm"] if r["op"] == op]
-        fit = fit_alpha_beta(op, rows[0]["group_size"], [r["bytes"] for r in rows], [r["time_s"] for r in rows])
+        fit = fit_alpha_beta(
+            op, rows[0]["group_size"], [r["bytes"] for r in rows], [r["time_s"] for r in rows]
+        )
         assert fit.rel_rms_error == pytest.approx(stored["rel_rms_error"], rel=1e-6)
         ratio = np.array([fit.predict_s(r["bytes"]) / r["time_s"] for r in rows])
         good = np.median(np.abs(ratio - 1)) < 0.35 and np.mean((ratio > 0.5) & (ratio < 2)) >= 2 / 3
