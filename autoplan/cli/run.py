@@ -31,6 +31,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--resume", metavar="DIR", help="start from the newest checkpoint in DIR")
     p.add_argument("--timeout-s", dest="timeout_s", type=float, default=300.0,
                    help="process-group timeout: a hung rank ends the job after this (default 300)")
+    p.add_argument("--cluster", default=None, metavar="NAME|FILE",
+                   help="profile the prediction is made on, with the config flags (default: local-cpu without "
+                        "CUDA, else dgx-h100-80gb); a plan JSON carries its own prediction")
     add_config_flags(p)
     nodes = p.add_argument_group("multi-node (passed to torchrun)")
     for name in _LAUNCHER_FLAGS:
@@ -52,6 +55,25 @@ def _config_given(args: argparse.Namespace) -> bool:
     return any(getattr(args, n, None) is not None for n in names)
 
 
+def _predicted_plan(args: argparse.Namespace, config: Any, nnodes: int) -> Any:
+    """The config wrapped in a Plan carrying the cost model's prediction for it, so the run report puts
+    the measured step time next to the predicted one."""
+    import torch
+
+    from autoplan.cluster.load import Cluster
+    from autoplan.plan.types import Plan
+    from autoplan.search.api import estimate
+
+    name = args.cluster or ("dgx-h100-80gb" if torch.cuda.is_available() else "local-cpu")
+    per_node, rest = divmod(config.num_devices, nnodes)
+    if rest:
+        raise ValueError(f"{config.num_devices} ranks do not split evenly over --nnodes {nnodes}")
+    cluster = Cluster.load(name, num_nodes=nnodes, devices_per_node=per_node)
+    est = estimate(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
+    return Plan(config=config, estimate=est, model_name=args.model, cluster_name=cluster.name,
+                num_devices=config.num_devices, global_batch=args.global_batch, seq_len=args.seq_len)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from autoplan.execute.launch import RunFailed, execute
 
@@ -62,9 +84,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         nnodes = int(args.nnodes or 1)
         devices = args.nproc_per_node * nnodes if args.nproc_per_node else None
-        plan = config_from_args(args, devices)
         if not args.global_batch or not args.seq_len:
             raise ValueError("without --plan, give --global-batch and --seq-len")
+        plan = _predicted_plan(args, config_from_args(args, devices), nnodes)
     try:
         report = execute(plan, args.model, steps=args.steps, nproc_per_node=args.nproc_per_node, seed=args.seed,
                          global_batch=args.global_batch, seq_len=args.seq_len, report=args.report,
