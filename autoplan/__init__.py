@@ -37,7 +37,27 @@ _EXPORTS = {
     "MeshAxis": "autoplan.plan.types",
 }
 
-__all__ = sorted(_EXPORTS) + ["__version__"]
+__all__ = [
+    "Breakdown",
+    "Cluster",
+    "ClusterSpec",
+    "DeviceSpec",
+    "Estimate",
+    "Layer",
+    "LayerGraph",
+    "LinkSpec",
+    "MeshAxis",
+    "ParallelConfig",
+    "Plan",
+    "Plans",
+    "Recompute",
+    "Schedule",
+    "__version__",
+    "autoplan",
+    "capture",
+    "estimate",
+    "execute",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -91,7 +91,7 @@ def _number(value: Any, field: str, path: str, *, allow_zero: bool = False) -> f
         except ValueError:
             pass
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{path}: field {field!r} must be a number, got {value!r}")  # noqa: TRY004 (one error type for bad profiles)
+        raise ValueError(f"{path}: field {field!r} must be a number, got {value!r}")
     if not (value > 0 or (allow_zero and value == 0)):
         raise ValueError(f"{path}: field {field!r} must be {'>=' if allow_zero else '>'} 0, got {value!r}")
     if field.rsplit(".", 1)[-1] in _FRACTIONS and value > 1:
@@ -116,7 +116,7 @@ def _optional_fields(cls: type) -> tuple[str, ...]:
 
 def _section(data: Any, where: str, path: str) -> Mapping[str, Any]:
     if not isinstance(data, Mapping):
-        raise ValueError(f"{path}: field {where!r} must be a mapping of fields, got {type(data).__name__}")  # noqa: TRY004
+        raise ValueError(f"{path}: field {where!r} must be a mapping of fields, got {type(data).__name__}")
     return data
 
 
@@ -181,7 +181,7 @@ def parse_profile(
         )
     notes = data.get("notes") or ()
     if isinstance(notes, str) or not isinstance(notes, (list, tuple)):
-        raise ValueError(f"{path}: field 'notes' must be a list of strings, got {notes!r}")  # noqa: TRY004
+        raise ValueError(f"{path}: field 'notes' must be a list of strings, got {notes!r}")
     return ClusterSpec(
         name=str(data["name"]),
         device=_parse_device(data["device"], path),

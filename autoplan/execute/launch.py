@@ -159,7 +159,7 @@ def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: str, *, s
     """Train `model` (a preset name) under a plan, config or plan JSON path on torchrun-launched ranks;
     returns the run report (also written to `report` when given). Raises RunFailed if a rank fails."""
     if not isinstance(model, str):
-        raise ValueError(f"model must be a preset name (see `autoplan models`), got {type(model).__name__}")  # noqa: TRY004
+        raise ValueError(f"model must be a preset name (see `autoplan models`), got {type(model).__name__}")
     with tempfile.TemporaryDirectory(prefix="autoplan-run-") as run_dir:
         plan_path = os.path.join(run_dir, "plan.json")
         if isinstance(plan_or_config, (str, Path)):

@@ -146,7 +146,7 @@ def _inputs(
             )
         shape = (microbatch, first.in_channels, side * first.stride[0], side * first.stride[1])
     else:
-        raise ValueError(  # noqa: TRY004 - a model we cannot read, not a wrong argument type
+        raise ValueError(
             f"cannot infer the input of {type(model).__name__} (no Embedding, Linear or "
             f"Conv first); pass example_inputs=(tensor, ...)"
         )

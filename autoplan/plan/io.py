@@ -65,7 +65,7 @@ def plan_from_json(text: str) -> Plan:
     except json.JSONDecodeError as exc:
         raise ValueError(f"plan is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError("plan JSON must be an object")  # noqa: TRY004 (bad input is a ValueError here)
+        raise ValueError("plan JSON must be an object")
     return plan_from_dict(data)
 
 

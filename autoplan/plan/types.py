@@ -7,9 +7,10 @@ else from autoplan, so a plan made on a laptop can be read and applied on a clus
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 
 class _StrEnum(str, Enum):
@@ -130,7 +131,7 @@ class ParallelConfig:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any], *, num_devices: int | None = None) -> "ParallelConfig":
+    def from_dict(cls, data: Mapping[str, Any], *, num_devices: int | None = None) -> ParallelConfig:
         """Build from a dict with keys tp, pp, dp, cp, ep, sp, zero, microbatch, schedule,
         virtual_stages, recompute. Omitted keys take defaults; an omitted `dp` is derived from
         `num_devices` (the rest of the devices). Unknown keys are an error."""
@@ -241,7 +242,7 @@ class Estimate:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Estimate":
+    def from_dict(cls, data: Mapping[str, Any]) -> Estimate:
         values = dict(data)
         values["breakdown"] = Breakdown(**values["breakdown"])
         values["memory"] = MemoryBreakdown(**values.get("memory", {}))

@@ -156,7 +156,7 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any
     spec = load_cluster(cluster, **cluster_options)
     if not isinstance(config, ParallelConfig):
         if not isinstance(config, Mapping):
-            raise ValueError(f"config must be a ParallelConfig or a dict, got {type(config).__name__}")  # noqa: TRY004 (bad input is a ValueError here)
+            raise ValueError(f"config must be a ParallelConfig or a dict, got {type(config).__name__}")
         config = ParallelConfig.from_dict(config, num_devices=spec.num_devices)
     check_config(config, spec, global_batch)
     from autoplan.cost import estimate_config

@@ -195,7 +195,7 @@ def test_symbolic_trace_fallback_gives_the_same_layers(monkeypatch: pytest.Monke
     exported = mlp_graph()
     real_export = torch.export.export
 
-    def export_only_fx_graphs(model: nn.Module, *args: object, **kwargs: object):  # noqa: ANN202
+    def export_only_fx_graphs(model: nn.Module, *args: object, **kwargs: object):
         if not isinstance(model, torch.fx.GraphModule):
             raise RuntimeError("simulated torch.export failure")
         return real_export(model, *args, **kwargs)
