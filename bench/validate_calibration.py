@@ -11,7 +11,6 @@ as the record says), PyTorch DDP (gradient all-reduce overlapped with the backwa
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import statistics
@@ -53,8 +52,6 @@ def main() -> int:
         model, cl, cfg = rec["model"], rec["cluster"], rec["config"]
         gpus = cl["num_gpus"]
         cluster = Cluster.load("dgx-a100-80gb", num_nodes=gpus // cl["gpus_per_node"])
-        cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device,
-                                                                          op_overhead_s=vt.OP_OVERHEAD_S))
         graph = vt.gpt_graph(h=model["hidden"], a=model["heads"], layers=model["layers"], seq=model["seq_len"],
                              vocab=model["vocab"], ffn=model["ffn_hidden"])
         schedule = "interleaved" if cfg.get("interleave") else "1f1b"

@@ -31,10 +31,7 @@ SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 VTRAIN = SHARED / "validation" / "vtrain"
 VOCAB = 50257
 VTRAIN_NIC_BYTES_PER_S = 800e9 / 8 / 8  # 4 x 200 Gb/s HDR per node, 8 GPUs: bytes/s per GPU
-# Host time per eager PyTorch op (Python + dispatcher + CUDA launch): ~10 us is the usual order of
-# magnitude (an estimate: PyTorch's "Accelerating PyTorch with CUDA Graphs" blog, 2021, puts a kernel
-# launch alone at a few microseconds, and the eager dispatcher adds more). Not fitted to these rows.
-OP_OVERHEAD_S = 10e-6
+# Host time per eager op: the profile's device.op_overhead_s (sourced there), not a bench constant.
 # Forward ops of one Megatron GPT layer (ParallelTransformerLayer, fused kernels), counted in its
 # code: norm, QKV linear, 5 views/splits, 3 transposes, baddbmm (+ its empty), view, fused softmax,
 # RNG-tracker fork + dropout (3), 3 views, bmm, permute + contiguous, view, output linear, all-reduce,
@@ -86,9 +83,8 @@ def vtrain_cluster(num_gpus: int) -> ClusterSpec:
     per_node = min(num_gpus, 8)
     base = Cluster.load("dgx-a100-80gb", num_nodes=max(num_gpus // 8, 1))
     inter = dataclasses.replace(base.inter_node, bw_bytes_per_s=VTRAIN_NIC_BYTES_PER_S)
-    device = dataclasses.replace(base.device, op_overhead_s=OP_OVERHEAD_S)
     return dataclasses.replace(base, devices_per_node=per_node, num_nodes=max(num_gpus // per_node, 1),
-                               inter_node=inter, device=device, dtype="fp16", name="vtrain-a100")
+                               inter_node=inter, dtype="fp16", name="vtrain-a100")
 
 
 def read_rows(name: str) -> list[dict[str, float]]:

@@ -87,3 +87,17 @@ def test_unknown_dtype_is_an_error() -> None:
     cluster = dataclasses.replace(a100_cluster(), dtype="int3")
     with pytest.raises(ValueError, match="int3"):
         estimate_layer(_plain(1.0, 0.0), cluster, ParallelConfig(), "none", seq_len=8)
+
+
+@pytest.mark.parametrize("profile", ["dgx-a100-80gb", "dgx-h100-80gb", "h200"])
+def test_shipped_gpu_profiles_have_a_host_floor(profile: str) -> None:
+    from autoplan.cluster.load import Cluster
+    cluster = Cluster.load(profile, num_nodes=1)
+    overhead = cluster.device.op_overhead_s
+    assert 1e-6 <= overhead <= 1e-4  # eager per-op host time is microseconds, not ns or ms
+    tiny = estimate_layer(_plain(1e8, 0.0, num_nodes=40), cluster, ParallelConfig(), "none", seq_len=8)
+    assert math.isclose(tiny.fwd_s, 40 * overhead)  # 0.1 GFLOP is < 1 us of device time: host-bound
+    assert math.isclose(tiny.bwd_s, 80 * overhead)
+    big = estimate_layer(_plain(1e13, 0.0, num_nodes=40), cluster, ParallelConfig(), "none", seq_len=8)
+    device_s = 1e13 / (cluster.peak_flops * matmul_efficiency(cluster.device, 1e13))
+    assert math.isclose(big.fwd_s, device_s)  # 10 TFLOP runs far longer than 40 ops take to issue
