@@ -8,14 +8,14 @@ from harness import assert_matches_reference, reference, run_plan
 import autoplan
 from autoplan import Cluster
 
-TOP_K = 3
+TOP_K = 5  # autoplan()'s default top_k: every plan a default call returns
 GLOBAL_BATCH, SEQ_LEN, STEPS = 16, 32, 2
 
 
 @pytest.fixture(scope="module")
 def plans() -> list:
     found = autoplan.autoplan("tiny-gpt", Cluster.load("local-cpu", devices_per_node=8),
-                              global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, top_k=TOP_K)
+                              global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN)
     assert len(found) == TOP_K
     return list(found)
 
