@@ -12,7 +12,7 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost.compute import memory_time_s
 from autoplan.cost.layer import dtype_bytes, estimate_layer
-from autoplan.cost.memory import GRAD_BYTES_PER_PARAM, WEIGHT_BYTES_PER_PARAM, model_state_bytes
+from autoplan.cost.memory import WEIGHT_BYTES_PER_PARAM, model_state_bytes
 from autoplan.cost.overlap import exposed_s
 from autoplan.cost.pipeline import in_flight_microbatches, pipeline_time_s
 from autoplan.cost.stages import balanced_stages, check_config, check_stages
@@ -24,6 +24,15 @@ from autoplan.plan.types import Breakdown, Estimate, MemoryBreakdown, ParallelCo
 # Adam): read fp32 master weight, momentum, variance (12) and write them (12), read the 16-bit gradient
 # twice (global-norm clipping, then the step: 4), write the 16-bit weight copy (2).
 ADAM_BYTES_PER_PARAM = 30
+# Bytes per gradient element on the wire in the data-parallel reduction, by training dtype. bf16 training
+# reduces gradients in fp32 in the runtimes the model is compared with: Megatron-LM turns on
+# --accumulate-allreduce-grads-in-fp32 whenever --bf16 is set (megatron/training/arguments.py: "bf16
+# requires gradient accumulation and all-reduce to be performed in fp32"); torchtitan's FSDP2
+# MixedPrecisionPolicy reduces in fp32 by default (mixed_precision_reduce = "float32"); Llama 3
+# reduce-scatters gradients in fp32 across data-parallel workers (Dubey et al. 2024, arXiv 2407.21783,
+# section 3.3.4). fp8 recipes run on top of bf16 (Transformer Engine), so they reduce in fp32 too; fp16
+# keeps Megatron's default of fp16 gradients. The gradient memory (memory.py) stays 16-bit.
+GRAD_REDUCE_BYTES = {"fp8": 4, "bf16": 4, "fp16": 2, "tf32": 4, "fp32": 4}
 
 
 @dataclass(slots=True)
@@ -123,22 +132,22 @@ def _add_stage(rank: _Rank, costs: Sequence[LayerCost], cluster: ClusterSpec, co
     or reduce-scatter for ZeRO-1) in per-layer buckets issued as each layer's backward finishes,
     overlapped with the backward of the remaining layers (PyTorch DDP, Li et al. VLDB 2020); the
     exposed part is what is still running when this rank's last backward ends: at least the last
-    bucket, the first layer's."""
+    bucket, the first layer's. Gradients travel at GRAD_REDUCE_BYTES per element (fp32 under bf16)."""
     fwd = [c.fwd_s + c.fwd_comm_s for c in costs]
     bwd = [c.time_s - f for c, f in zip(costs, fwd)]
     none = [0.0] * len(costs)
     memo: dict[tuple[int, str], float] = {}  # layers of one kind share one LayerCost object
 
-    def collective(c: LayerCost, fn, bytes_per_param: int) -> float:
+    def collective(c: LayerCost, fn, element_bytes: float) -> float:
         key = (id(c), fn.__name__)
         if key not in memo:
-            memo[key] = _dp_collective(c, cluster, config, dense_group, expert_group, dbytes, fn, bytes_per_param)
+            memo[key] = _dp_collective(c, cluster, dense_group, expert_group, fn, element_bytes)
         return memo[key]
 
-    gather = ([collective(c, comm.all_gather_s, WEIGHT_BYTES_PER_PARAM) for c in costs]
+    gather = ([collective(c, comm.all_gather_s, WEIGHT_BYTES_PER_PARAM * dbytes / 2) for c in costs]
               if config.zero == 3 else none)
     reduce_fn = comm.reduce_scatter_s if config.zero >= 1 else comm.all_reduce_s
-    reduce = [collective(c, reduce_fn, GRAD_BYTES_PER_PARAM) for c in costs]
+    reduce = [collective(c, reduce_fn, GRAD_REDUCE_BYTES[cluster.dtype]) for c in costs]
     dp_fwd = exposed_s(fwd, gather, none) if config.zero == 3 else 0.0
     if config.zero >= 2:
         pre = gather[::-1] if config.zero == 3 else none
@@ -148,7 +157,7 @@ def _add_stage(rank: _Rank, costs: Sequence[LayerCost], cluster: ClusterSpec, co
         if overlap_dp:
             rank.dp_tail += exposed_s(bwd[::-1], none, reduce[::-1])
         else:
-            rank.dp_tail += _dp_collective_total(costs, cluster, config, dense_group, expert_group, dbytes)
+            rank.dp_tail += _dp_collective_total(costs, cluster, config, dense_group, expert_group)
     rank.compute += sum(c.fwd_s + c.bwd_s for c in costs)
     rank.recompute += sum(c.recompute_s for c in costs)
     rank.tp += sum(c.tp_comm_s for c in costs)
@@ -165,19 +174,19 @@ def _add_stage(rank: _Rank, costs: Sequence[LayerCost], cluster: ClusterSpec, co
     rank.max_layer_params = max([rank.max_layer_params] + [c.param_count for c in costs])
 
 
-def _dp_collective(cost: LayerCost, cluster: ClusterSpec, config: ParallelConfig, dense_group, expert_group,
-                   dbytes: int, fn, bytes_per_param: int) -> float:
-    """One layer's data-parallel collective: dense parameters over dp * ep * cp, experts over dp * cp."""
-    scale = dbytes / 2
-    return (fn(cost.grad_param_count * bytes_per_param * scale, dense_group, cluster)
-            + fn(cost.expert_param_count * bytes_per_param * scale, expert_group, cluster))
+def _dp_collective(cost: LayerCost, cluster: ClusterSpec, dense_group, expert_group, fn,
+                   element_bytes: float) -> float:
+    """One layer's data-parallel collective of element_bytes per parameter: dense parameters over
+    dp * ep * cp, experts over dp * cp."""
+    return (fn(cost.grad_param_count * element_bytes, dense_group, cluster)
+            + fn(cost.expert_param_count * element_bytes, expert_group, cluster))
 
 
 def _dp_collective_total(costs: Sequence[LayerCost], cluster: ClusterSpec, config: ParallelConfig,
-                         dense_group, expert_group, dbytes: int) -> float:
+                         dense_group, expert_group) -> float:
     """Megatron local DDP: one all-reduce (ZeRO-1: reduce-scatter) of the whole contiguous buffer."""
     fn = comm.reduce_scatter_s if config.zero >= 1 else comm.all_reduce_s
-    scale = dbytes / 2 * GRAD_BYTES_PER_PARAM
+    scale = GRAD_REDUCE_BYTES[cluster.dtype]
     return (fn(sum(c.grad_param_count for c in costs) * scale, dense_group, cluster)
             + fn(sum(c.expert_param_count for c in costs) * scale, expert_group, cluster))
 

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
+from autoplan.cost.estimate import GRAD_REDUCE_BYTES
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
@@ -177,8 +178,10 @@ def _assemble(per_rank: np.ndarray, layers_per_rank: np.ndarray, extra: dict[str
     # ZeRO: 16-bit weight gathers and gradient reduce-scatters, prefetched / bucketed on a second stream;
     # what the layers' compute does not hide is exposed (cost.overlap.exposed_s, closed form for equal
     # layers: the uncovered excess plus one layer's collective)
-    wbytes, gbytes = f["dense_params"] * WEIGHT_BYTES, f["dense_params"] * GRAD_BYTES
-    ebytes, egbytes = f["expert_params"] * WEIGHT_BYTES, f["expert_params"] * GRAD_BYTES
+    # gradients travel at the cost model's reduce dtype (fp32 under bf16: GRAD_REDUCE_BYTES)
+    wire = GRAD_REDUCE_BYTES[cluster.dtype]
+    wbytes, gbytes = f["dense_params"] * WEIGHT_BYTES, f["dense_params"] * wire
+    ebytes, egbytes = f["expert_params"] * WEIGHT_BYTES, f["expert_params"] * wire
     gather = _t(lines["ag_dense"], wbytes) + _t(lines["ag_expert"], ebytes)
     scatter = _t(lines["rs_dense"], gbytes) + _t(lines["rs_expert"], egbytes)
     reduce = np.where(z >= 1, scatter, _t(lines["ar_dense"], gbytes) + _t(lines["ar_expert"], egbytes))

@@ -169,3 +169,18 @@ def test_context_parallel_splits_activations_and_exchanges_kv() -> None:
     slow = a100_cluster(2, nic_bw=1e9)  # cp across nodes on a slow NIC: the exchange shows
     across = estimate_layer(block, slow, ParallelConfig(cp=16), "none", seq_len=8192)
     assert across.cp_comm_s > 0.0
+
+
+def test_bf16_reduces_gradients_in_fp32_fp16_in_fp16() -> None:
+    """Megatron local DDP (overlap_dp=False), pp = 1: the exposed gradient sync is one ring all-reduce of
+    every parameter over dp, 4 bytes each under bf16 (fp32 reduce) and 2 under fp16, by hand on an ideal
+    cluster: 2 (n - 1)/n * S / BW with n = 16 ranks on 2 nodes (8 per node: min(NVLink, 8 NICs))."""
+    import dataclasses
+    params = sum(layer.num_params for layer in SMALL.layers)
+    bw = min(300e9, 8 * 25e9)
+    for dtype, wire in (("bf16", 4), ("fp16", 2)):
+        cluster = dataclasses.replace(a100_cluster(2, ideal=True), dtype=dtype)
+        est = estimate_config(SMALL, cluster, ParallelConfig(dp=16), global_batch=16, overlap_dp=False)
+        optimizer = est.breakdown.optimizer
+        hand = 2 * 15 / 16 * params * wire / bw
+        assert math.isclose(est.step_time_s - est.breakdown.compute - optimizer, hand, rel_tol=1e-9)
