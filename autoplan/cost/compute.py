@@ -12,6 +12,11 @@ from autoplan.cluster.types import DeviceSpec
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.types import ParallelConfig, Recompute
 
+# Bytes of the gradient accumulator per weight element, read once and written once by each weight-gradient
+# pass: 4 (Megatron-LM's fp32 main_grad under --gradient-accumulation-fusion; PyTorch's 16-bit .grad plus
+# the wgrad output it adds in, 2 + 2). See layer_compute.
+GRAD_ACCUMULATE_BYTES = 4
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockShape:
@@ -87,6 +92,22 @@ def matmul_time_s(device: DeviceSpec, peak_flops: float, total_flops: float, per
     return total_flops / (peak_flops * matmul_efficiency(device, per_matmul_flops))
 
 
+def gemm_pass_s(device: DeviceSpec, peak_flops: float, m: float, k: float, n: float, count: float,
+                dtype_bytes: int, *, out_bytes: float | None = None) -> float:
+    """Roofline time of `count` GEMMs [m x k] @ [k x n]: max(FLOPs / (peak * matmul_efficiency(size)),
+    bytes / (HBM bw * mem_bw_efficiency)) (Williams et al., "Roofline", CACM 2009; NVIDIA "Matrix
+    Multiplication Background User's Guide": arithmetic intensity 2 m n k / (bytes of A, B and C)).
+    Bytes: read A (m k) and B (k n), write C (m n) in the training dtype, or `out_bytes` per C element
+    when C is accumulated into (a weight gradient). A GEMM with few rows m (few tokens on this device:
+    a small microbatch split over cp) reads its whole weight for little work and turns memory-bound."""
+    if m <= 0 or k <= 0 or n <= 0 or count <= 0:
+        return 0.0
+    flops = 2.0 * m * k * n
+    c_bytes = dtype_bytes if out_bytes is None else out_bytes
+    nbytes = (m * k + k * n) * dtype_bytes + m * n * c_bytes
+    return count * max(flops / (peak_flops * matmul_efficiency(device, flops)), memory_time_s(device, nbytes))
+
+
 def memory_time_s(device: DeviceSpec, nbytes: float) -> float:
     """Memory-bound kernel: bytes / (HBM bandwidth * mem_bw_efficiency)."""
     return max(nbytes, 0.0) / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
@@ -149,7 +170,16 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     Host-bound floor: kernels are issued asynchronously, so a phase takes max(device time, host time)
     with host time = the layer's forward op count (Layer.num_nodes) x device.op_overhead_s, twice that
     for the backward (about two ops per forward op: input and weight gradients), once more for a
-    fully recomputed forward. Small layers at small microbatches are bound by it."""
+    fully recomputed forward. Small layers at small microbatches are bound by it.
+
+    Block matmuls are timed per pass on the roofline (gemm_pass_s), with T tokens on this device:
+    forward Y = X W ([T x k] @ [k x n]), input gradient dX = dY W^T ([T x n] @ [n x k]) and weight
+    gradient dW = X^T dY ([k x T] @ [T x n]) accumulated into the gradient buffer: read + write of the
+    accumulator, 2 x GRAD_ACCUMULATE_BYTES per weight element (PyTorch AccumulateGrad adds each
+    microbatch's 16-bit .grad into the buffer; Megatron-LM's --gradient-accumulation-fusion has the wgrad
+    GEMM read and write the fp32 main_grad directly: both move about 8 bytes per weight element). At
+    thousands of tokens per device every pass is compute-bound and this is FLOPs / rate as before; with
+    a few hundred (large cp, microbatch 1) the weight traffic sets the time."""
     t = config.tp
     tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
     total_mm = layer.fwd_matmul_flops * scale / t
@@ -157,6 +187,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     shape = block_shape(layer, graph_tokens)
     if shape is None:
         mm_s = matmul_time_s(device, peak_flops, total_mm, total_mm)
+        dx_s = dw_s = mm_s
         elementwise_bytes = _fallback_bytes(layer, dtype_bytes) * scale / (t if layer.role is LayerRole.HEAD else 1)
         score_bytes = 0.0
     else:
@@ -165,19 +196,24 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         dense_mm = max(total_mm - expert_mm, 0.0)
         attn_proj = min(qkv + proj, dense_mm)
         mlp = max(dense_mm - attn_proj, 0.0)
-        mm_s = (matmul_time_s(device, peak_flops, attn_proj * qkv / (qkv + proj), qkv)
-                + matmul_time_s(device, peak_flops, attn_proj * proj / (qkv + proj), proj)
-                + matmul_time_s(device, peak_flops, mlp, 2.0 * tokens * shape.h * shape.f / t))
+        # (m, k, n, count) of each weight matmul, tp-split; counts carry the captured FLOPs exactly
+        groups = [(tokens, shape.h, shape.qkv_out_width / t, attn_proj * qkv / (qkv + proj) / qkv if qkv else 0.0),
+                  (tokens, shape.h / t, shape.h, attn_proj * proj / (qkv + proj) / proj if proj else 0.0),
+                  (tokens, shape.h, shape.f / t, mlp / (2.0 * tokens * shape.h * shape.f / t))]
         if expert_mm > 0:
             per_expert_tokens = tokens * shape.top_k * config.ep / max(shape.num_experts, 1)
-            mm_s += matmul_time_s(device, peak_flops, expert_mm,
-                                  2.0 * per_expert_tokens * shape.h * shape.f_e / t)
+            one = 2.0 * per_expert_tokens * shape.h * shape.f_e / t
+            groups.append((per_expert_tokens, shape.h, shape.f_e / t, expert_mm / one))
+        acc = 2.0 * GRAD_ACCUMULATE_BYTES
+        mm_s = sum(gemm_pass_s(device, peak_flops, m, k, n, c, dtype_bytes) for m, k, n, c in groups)
+        dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
+        dw_s = sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups)
         elementwise_bytes, score_bytes = block_elementwise_bytes(
             shape, tokens, seq_len, config, dtype_bytes, scores_materialised)
     attn_s = layer.fwd_attention_flops * scale / t / (peak_flops * device.attention_efficiency)
     elem_s = memory_time_s(device, elementwise_bytes)
     fwd = mm_s + attn_s + elem_s
-    bwd = 2.0 * (mm_s + attn_s) + 1.5 * elem_s
+    bwd = dx_s + dw_s + 2.0 * attn_s + 1.5 * elem_s
     attention_fwd = attn_s + memory_time_s(device, score_bytes)
     if layer.role is not LayerRole.BLOCK or recompute is Recompute.NONE:
         rec = 0.0
@@ -186,7 +222,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     else:
         rec = attention_fwd
     host = getattr(layer, "num_nodes", 0) * device.op_overhead_s
-    return ComputeTimes(fwd_s=max(fwd, host), bwd_s=max(bwd, 2.0 * host), bwd_weight_s=mm_s,
+    return ComputeTimes(fwd_s=max(fwd, host), bwd_s=max(bwd, 2.0 * host), bwd_weight_s=dw_s,
                         recompute_s=max(rec, host) if recompute is Recompute.FULL and rec else rec,
                         attention_fwd_s=attention_fwd)
 

@@ -101,3 +101,35 @@ def test_shipped_gpu_profiles_have_a_host_floor(profile: str) -> None:
     big = estimate_layer(_plain(1e13, 0.0, num_nodes=40), cluster, ParallelConfig(), "none", seq_len=8)
     device_s = 1e13 / (cluster.peak_flops * matmul_efficiency(cluster.device, 1e13))
     assert math.isclose(big.fwd_s, device_s)  # 10 TFLOP runs far longer than 40 ops take to issue
+
+
+def test_gemm_roofline_by_hand() -> None:
+    """Ideal A100 (312 TFLOP/s, 2.0 TB/s, efficiencies 1): [128 x 8192] @ [8192 x 8192] in bf16 moves
+    (2 * 128 * 8192 + 8192^2) * 2 bytes = 138 MB (69 us) for 17.2 GFLOP (55 us): memory-bound; with
+    8192 rows it is compute-bound; a weight-gradient pass accumulating 8 bytes per weight element
+    moves 4x the weight bytes."""
+    from autoplan.cost.compute import gemm_pass_s
+    device = a100_cluster(ideal=True).device
+    small = gemm_pass_s(device, 312e12, 128, 8192, 8192, 1, 2)
+    assert math.isclose(small, (2 * 128 * 8192 + 8192**2) * 2 / 2.0e12)
+    big = gemm_pass_s(device, 312e12, 8192, 8192, 8192, 3, 2)
+    assert math.isclose(big, 3 * 2 * 8192**3 / 312e12)
+    wgrad = gemm_pass_s(device, 312e12, 8192, 128, 8192, 1, 2, out_bytes=8)
+    assert math.isclose(wgrad, (2 * 128 * 8192 * 2 + 8192**2 * 8) / 2.0e12)
+
+
+def test_few_tokens_per_device_make_the_block_weight_bound() -> None:
+    """A GPT block (h 4096, GELU 4h) at 64 tokens per device: every matmul pass is bound by its weight
+    traffic, so the weight-gradient time is the hand sum of (A + B) * 2 + W * 8 bytes over the four
+    weight matmuls, while at 8192 tokens it is their FLOPs at peak."""
+    cluster = a100_cluster(ideal=True)
+    h = 4096
+    weights = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]  # QKV, proj, fc1, fc2 as (k, n)
+    for seq, bound in ((64, "memory"), (8192, "compute")):
+        g = gpt_graph(h=h, a=32, layers=1, seq=seq, unfused=False)
+        cost = estimate_layer(g.blocks[0], cluster, ParallelConfig(), "none", seq_len=seq)
+        if bound == "memory":
+            hand = sum((seq * k + seq * n) * 2 + k * n * 8 for k, n in weights) / 2.0e12
+        else:
+            hand = sum(2 * seq * k * n for k, n in weights) / 312e12
+        assert math.isclose(cost.bwd_weight_s, hand, rel_tol=1e-9), bound
