@@ -109,7 +109,14 @@ def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelC
     K and V of the whole sequence for this tp rank's kv heads, S = 2 b s h g / (a t) elements,
     overlapped with the attention core; backward gathers them again and reduce-scatters dK, dV (2 S),
     overlapped with the attention backward (2 x forward). Exposed: what the attention does not hide.
-    Full recompute repeats the forward exchange. Returns (forward part, total)."""
+    Full recompute repeats the forward exchange. Returns (forward part, total).
+
+    Load balance: attention FLOPs split evenly over cp, as in the load-balanced split of the published
+    runtimes (rank i holds chunks i and 2cp-1-i of 2cp: Megatron-core CP; Llama 3, Dubey et al. 2024,
+    section 3.3.2; torchtitan's context_parallel). autoplan's own executor (execute/context.py) keeps cp
+    contiguous chunks, so under a causal mask its last rank does (2cp - 1)/cp times the average attention
+    work, and it all-gathers K and V after repeating the kv heads (a/g times the bytes above): runs of
+    that executor with cp > 1 will be slower than this estimate until it adopts the balanced split."""
     if config.cp == 1 or shape is None:
         return 0.0, 0.0
     group = comm.group_placement(config, ("cp",), cluster.devices_per_node)
