@@ -85,8 +85,9 @@ ZERO3_VS_PTDP = ((384, 4, 1.06), (768, 2, 1.70))  # (GPUs, ZeRO-3 microbatch, pu
 # 16,384 H100 with tp 8, cp 1, pp 16, dp 128, 16M tokens per batch (2048 sequences): 400 TFLOP/s per GPU,
 # 41 % BF16 MFU (38-43 % over the table's rows). Interleaved 1F1B; v = 2 and selective recompute are
 # assumptions here (the paper tunes its own schedule and memory).
-LLAMA3_405B = {"mfu": 0.41, "config": dict(tp=8, pp=16, cp=1, sp=True, microbatch=1, schedule="interleaved",
-                                           virtual_stages=2, recompute="selective", zero=1)}
+LLAMA3_405B = {"mfu": 0.41, "config": {"tp": 8, "pp": 16, "cp": 1, "sp": True, "microbatch": 1,
+                                        "schedule": "interleaved", "virtual_stages": 2, "recompute": "selective",
+                                        "zero": 1}}
 
 
 def published_comparisons(vt) -> None:

@@ -3,6 +3,7 @@ independent computation."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -175,7 +176,6 @@ def test_bf16_reduces_gradients_in_fp32_fp16_in_fp16() -> None:
     """Megatron local DDP (overlap_dp=False), pp = 1: the exposed gradient sync is one ring all-reduce of
     every parameter over dp, 4 bytes each under bf16 (fp32 reduce) and 2 under fp16, by hand on an ideal
     cluster: 2 (n - 1)/n * S / BW with n = 16 ranks on 2 nodes (8 per node: min(NVLink, 8 NICs))."""
-    import dataclasses
     params = sum(layer.num_params for layer in SMALL.layers)
     bw = min(300e9, 8 * 25e9)
     for dtype, wire in (("bf16", 4), ("fp16", 2)):
