@@ -37,6 +37,14 @@ class Candidate:
     row: int = -1  # row in the Space
 
 
+def _rank_key(cand: Any) -> tuple:
+    """Fastest first; among equally fast plans (a symmetric model often gives exact ties, e.g. dp32 x cp8
+    mb1 and dp8 x cp32 mb4), the one with smaller cp, ep, tp, pp degrees (fewer and smaller collectives
+    on the critical path, simpler to run), then the one with the least memory."""
+    c, est = cand.config, cand.estimate
+    return (float(f"{est.step_time_s:.9g}"), c.cp, c.ep, c.tp, c.pp, est.peak_mem_bytes)
+
+
 def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, cost_model: Any = None) -> tuple[Plan, ...]:
     """The top_k fitting plans, fastest first; ValueError (with the overflow and the remedies) if none fits."""
     cost = cost_model or importlib.import_module("autoplan.cost")
@@ -52,7 +60,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
             found = _refine_best(graph, cluster, space, quick, found, options, cost, status)
         if not found:
             raise ValueError(nothing_fits_message(graph, cluster, space, quick, options, cost))
-    ranked = sorted(found, key=lambda c: c.estimate.step_time_s)[:options.top_k]
+    ranked = sorted(found, key=_rank_key)[:options.top_k]
     plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost) for i, cand in enumerate(ranked)]
     return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost))
                  for p, cand in zip(plans, ranked))
