@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ class TrainOptions:
     save_every: int = 0  # 0: never
     checkpoint_dir: str | None = None
     resume: str | None = None  # a checkpoint directory to start from
+    data: str | None = None  # a token file (see load_tokens); None: synthetic uniform tokens
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -86,6 +88,47 @@ def make_batch(seed: int, step: int, *, global_batch: int, seq_len: int, vocab_s
     # the CPU generator keeps 32 bits of its seed; distinct for seeds < 4294 and steps < 1000003
     generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**32)
     return torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=generator)
+
+
+TOKEN_FILE_FORMATS = {".npy": "numpy array of token ids", ".bin": "raw uint16 token ids (nanoGPT's format)",
+                      ".pt": "torch tensor of token ids"}
+
+
+def load_tokens(path: str, *, vocab_size: int, seq_len: int) -> torch.Tensor:
+    """A user's token stream as a 1-D int64 tensor: .npy (memory-mapped), .bin (raw uint16, as nanoGPT's
+    prepare scripts write) or .pt. Every id must be below the model's vocabulary, and the stream must
+    hold at least one window of seq_len + 1 tokens."""
+    import numpy as np
+
+    suffix = Path(path).suffix
+    if suffix not in TOKEN_FILE_FORMATS:
+        known = ", ".join(f"{k} ({v})" for k, v in TOKEN_FILE_FORMATS.items())
+        raise ValueError(f"data file {path!r}: unknown format {suffix!r}; use one of {known}")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"data file {path!r} does not exist")
+    if suffix == ".npy":
+        tokens = torch.from_numpy(np.asarray(np.load(path, mmap_mode="r")).astype(np.int64))
+    elif suffix == ".bin":
+        tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
+    else:
+        tokens = torch.as_tensor(torch.load(path, weights_only=True)).long()
+    tokens = tokens.flatten()
+    if tokens.numel() < seq_len + 2:
+        raise ValueError(f"data file {path!r} holds {tokens.numel()} tokens: need at least seq_len + 2 = "
+                         f"{seq_len + 2}; use a longer file or a shorter --seq-len")
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= vocab_size:
+        raise ValueError(f"data file {path!r} has token ids in [{low}, {high}] but the model's vocabulary is "
+                         f"{vocab_size}: tokenize for this model or pick a model with a larger vocabulary")
+    return tokens
+
+
+def sample_windows(tokens: torch.Tensor, seed: int, step: int, *, global_batch: int, seq_len: int) -> torch.Tensor:
+    """[global_batch, seq_len + 1] windows of the token stream at offsets drawn from the same (seed, step)
+    generator as make_batch, so every plan sees the same data."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**32)
+    starts = torch.randint(0, tokens.numel() - seq_len - 1, (global_batch,), generator=generator)
+    return torch.stack([tokens[int(i):int(i) + seq_len + 1] for i in starts])
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -184,13 +227,18 @@ def train(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, *
     job = _setup(model_name, plan, options, device)
     start = _maybe_resume(job, options)
     vocab = job.parts[0].config.vocab_size
+    tokens = load_tokens(options.data, vocab_size=vocab, seq_len=options.seq_len) if options.data else None
     n_mb = job.config.num_microbatches(options.global_batch)
     losses, times = [], []
     for step in range(start, options.steps):
         if on_step is not None:
             on_step(step)
-        batch = make_batch(options.seed, step, global_batch=options.global_batch, seq_len=options.seq_len,
-                           vocab_size=vocab)
+        if tokens is None:
+            batch = make_batch(options.seed, step, global_batch=options.global_batch, seq_len=options.seq_len,
+                               vocab_size=vocab)
+        else:
+            batch = sample_windows(tokens, options.seed, step, global_batch=options.global_batch,
+                                   seq_len=options.seq_len)
         inputs, targets = (t.to(device) for t in local_batch(batch, job.config, job.meshes))
         t0 = time.perf_counter()
         local = _forward_backward(job, inputs, targets, n_mb)
@@ -240,6 +288,7 @@ def report(result: TrainResult, *, plan: Plan | ParallelConfig, model_name: str,
         "plan": config.to_dict(),
         "world_size": world_size,
         "seed": options.seed,
+        "data": options.data or "synthetic",
         "global_batch": options.global_batch,
         "seq_len": options.seq_len,
         "start_step": result.start_step,

@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--save-every", dest="save_every", type=int, default=0)
     p.add_argument("--checkpoint-dir", dest="checkpoint_dir", default=None)
     p.add_argument("--resume", default=None)
+    p.add_argument("--data", default=None, help="token file (.npy, .bin uint16, .pt); default synthetic")
     p.add_argument("--report", default=None)
     p.add_argument("--run-dir", dest="run_dir", required=True, help="where ranks write error files")
     p.add_argument("--timeout-s", dest="timeout_s", type=float, default=300.0,
@@ -81,7 +82,7 @@ def _run(args: argparse.Namespace, rank: int) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout_s))
     options = TrainOptions(steps=args.steps, global_batch=global_batch, seq_len=seq_len, seed=args.seed,
                            lr=args.lr, weight_decay=args.weight_decay, save_every=args.save_every,
-                           checkpoint_dir=args.checkpoint_dir, resume=args.resume)
+                           checkpoint_dir=args.checkpoint_dir, resume=args.resume, data=args.data)
     result = train(args.model, plan, options, device=device, on_step=_kill_hook(rank))
     peaks: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(peaks, result.peak_mem_bytes)

@@ -200,3 +200,43 @@ def test_train_options_and_cli_reject_bad_input(capsys) -> None:
     assert main(["run", "--model", "tiny-gpt", "--steps", "1", "--tp", "2", "--nproc-per-node", "4",
                  "--dp", "1", "--global-batch", "4", "--seq-len", "8"]) == 2
     assert "needs pp*dp*ep*cp*tp = 2 ranks but --nproc-per-node is 4" in capsys.readouterr().err
+
+
+def test_token_files_load_in_every_format_and_windows_follow_the_stream(tmp_path) -> None:
+    """Windows are contiguous slices of the user's stream (checked by their first id: the stream is
+    arange, so each row is start..start+seq_len), the same for the same (seed, step)."""
+    import numpy as np
+
+    from autoplan.execute.train import load_tokens, sample_windows
+
+    stream = np.arange(500, dtype=np.uint16)
+    paths = {".npy": tmp_path / "t.npy", ".bin": tmp_path / "t.bin", ".pt": tmp_path / "t.pt"}
+    np.save(paths[".npy"], stream)
+    stream.tofile(paths[".bin"])
+    torch.save(torch.arange(500), paths[".pt"])
+    for path in paths.values():
+        tokens = load_tokens(str(path), vocab_size=512, seq_len=16)
+        assert torch.equal(tokens, torch.arange(500))
+    batch = sample_windows(tokens, 7, 3, global_batch=6, seq_len=16)
+    assert batch.shape == (6, 17)
+    assert torch.equal(batch, batch[:, :1] + torch.arange(17))
+    assert int(batch.max()) < 500
+    assert torch.equal(batch, sample_windows(tokens, 7, 3, global_batch=6, seq_len=16))
+    assert not torch.equal(batch, sample_windows(tokens, 7, 4, global_batch=6, seq_len=16))
+
+
+def test_bad_token_files_say_what_to_change(tmp_path) -> None:
+    import numpy as np
+
+    from autoplan.execute.train import load_tokens
+
+    np.save(tmp_path / "big.npy", np.array([1, 2, 600] * 20))
+    with pytest.raises(ValueError, match=r"token ids in \[1, 600\] but the model's vocabulary is 128"):
+        load_tokens(str(tmp_path / "big.npy"), vocab_size=128, seq_len=8)
+    np.save(tmp_path / "short.npy", np.arange(5))
+    with pytest.raises(ValueError, match="holds 5 tokens: need at least seq_len \\+ 2 = 10"):
+        load_tokens(str(tmp_path / "short.npy"), vocab_size=128, seq_len=8)
+    with pytest.raises(ValueError, match="unknown format '.csv'"):
+        load_tokens(str(tmp_path / "x.csv"), vocab_size=128, seq_len=8)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_tokens(str(tmp_path / "missing.npy"), vocab_size=128, seq_len=8)
