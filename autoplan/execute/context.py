@@ -1,9 +1,7 @@
-"""Context parallelism: the sequence split into cp contiguous chunks, exact causal attention over all of it.
-
-`apply_context_parallel` swaps each `attn.core` for a `ContextParallelCore` that all-gathers K and V over the
-cp mesh axis (autograd: reduce-scatter in backward) and masks with global positions (or, variant "ring", a
-`RingAttentionCore` passing K/V blocks around the cp ring point to point), and makes the embedding and
-attention modules number their positions from cp_rank * local_seq_len (learned positions and RoPE).
+"""Context parallelism with the load-balanced ("zig-zag") split: the sequence cut into 2*cp chunks, cp rank r
+holding chunks r and 2cp-1-r (Megatron-core CP; Llama 3, Dubey et al. 2024, section 3.3.2; torchtitan), so
+every rank does the same causal attention work. Exact causal attention by an all-gather of K/V (default) or a
+ring of P2P K/V blocks; K/V travel with their kv heads only (grouped-query heads repeated after the exchange).
 """
 
 from __future__ import annotations
@@ -44,8 +42,8 @@ class _ContiguousGrad(torch.autograd.Function):
 def gather_sequence(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
     """All-gather x [B, heads, S_local, d] over cp along the sequence -> [B, heads, cp * S_local, d].
 
-    The gather runs on dim 0 of a contiguous [S_local, B, heads, d] buffer, so rank order is sequence order;
-    its backward reduce-scatters (sums) each rank's key/value gradients back to the rank that owns them.
+    The gather runs on dim 0 of a contiguous [S_local, B, heads, d] buffer, so the result holds the ranks'
+    positions in rank order (zigzag_positions of rank 0, then rank 1, ...); its backward reduce-scatters (sums) each rank's key/value gradients back to the rank that owns them.
     """
     seq_major = x.permute(2, 0, 1, 3).contiguous()
     gathered = _all_gather_autograd(seq_major, gather_dim=0, group=cp_mesh.get_group())
@@ -53,28 +51,61 @@ def gather_sequence(x: torch.Tensor, cp_mesh: DeviceMesh) -> torch.Tensor:
     return gathered.permute(1, 2, 0, 3)
 
 
-class ContextParallelCore(nn.Module):
-    """Causal attention for the local query chunk cp_rank against keys and values gathered from all cp ranks.
+def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The global positions cp rank `rank` holds of a seq_len sequence: chunks rank and 2cp-1-rank of 2*cp
+    equal chunks, in that order (all of [0, seq_len) when cp is 1)."""
+    if cp == 1:
+        return torch.arange(seq_len, device=device)
+    if seq_len % (2 * cp):
+        raise ValueError(f"seq_len {seq_len} does not split into 2*cp = {2 * cp} equal chunks for cp={cp} (the "
+                         f"load-balanced context-parallel split): use a multiple of {2 * cp}")
+    chunk = seq_len // (2 * cp)
+    base = torch.arange(chunk, device=device)
+    return torch.cat([base + rank * chunk, base + (2 * cp - 1 - rank) * chunk])
 
-    Rank r holds global positions [r*S, (r+1)*S) with S the local length; keys past (r+1)*S are never
-    attended, so they are dropped before the softmax. Grouped-query attention arrives with kv heads already
-    repeated (Attention does that before its core), so the gather moves q-head-count K and V.
+
+def _half_chunk(local_len: int) -> int:
+    if local_len % 2:
+        raise ValueError(f"a context-parallel rank holds two equal chunks, got an odd local length {local_len}: "
+                         f"use a sequence length that is a multiple of 2*cp")
+    return local_len // 2
+
+
+class ContextParallelCore(nn.Module):
+    """Causal attention of this rank's two query chunks against K/V all-gathered from all cp ranks.
+
+    Rank r's queries are chunks r ("early") and 2cp-1-r ("late") of 2*cp chunks of length c. Attention
+    passes K/V with kv heads repeated kv_group times (repeat_interleave); only every kv_group-th head is
+    gathered and the repeat redone afterwards, so the gather moves kv-head-count K and V. The gathered
+    chunks are put in sequence order, and the early chunk attends keys [0, (r+1)c), the late one keys
+    [0, (2cp-r)c), each masked by global position: (2cp+1) c^2 query-key scores on every rank.
     """
 
-    def __init__(self, cp_mesh: DeviceMesh) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, kv_group: int = 1) -> None:
         super().__init__()
-        self.cp_mesh = cp_mesh
+        self.cp_mesh, self.kv_group = cp_mesh, kv_group
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        local_len, rank = q.shape[2], self.cp_mesh.get_local_rank()
-        end = (rank + 1) * local_len
-        k_all = gather_sequence(k, self.cp_mesh)[:, :, :end]
-        v_all = gather_sequence(v, self.cp_mesh)[:, :, :end]
-        mask = causal_mask(local_len, rank * local_len, end).to(q.device)
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        rank, cp, g = self.cp_mesh.get_local_rank(), self.cp_mesh.size(), self.kv_group
+        c = _half_chunk(q.shape[2])
+        # rank order of the gather -> sequence order, keys past the late chunk's last query dropped
+        held = torch.cat([zigzag_positions(2 * c * cp, cp, src) for src in range(cp)])
+        order = torch.argsort(held)[:(2 * cp - rank) * c].to(q.device)
+        k_all = gather_sequence(k[:, ::g], self.cp_mesh).index_select(2, order)
+        v_all = gather_sequence(v[:, ::g], self.cp_mesh).index_select(2, order)
+        if g > 1:
+            k_all, v_all = k_all.repeat_interleave(g, dim=1), v_all.repeat_interleave(g, dim=1)
+        outs = []
+        for half, chunk in enumerate((rank, 2 * cp - 1 - rank)):
+            end = (chunk + 1) * c
+            mask = causal_mask(c, chunk * c, end).to(q.device)
+            outs.append(F.scaled_dot_product_attention(q[:, :, half * c:(half + 1) * c], k_all[:, :, :end],
+                                                       v_all[:, :, :end], attn_mask=mask))
+        return torch.cat(outs, dim=2)
 
     def extra_repr(self) -> str:
-        return f"cp={self.cp_mesh.size()}, rank={self.cp_mesh.get_local_rank()}, all-gather K/V"
+        return (f"cp={self.cp_mesh.size()}, rank={self.cp_mesh.get_local_rank()}, kv_group={self.kv_group}, "
+                f"zig-zag all-gather K/V")
 
 
 def attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
@@ -122,55 +153,78 @@ class _RingShift(torch.autograd.Function):
 
 
 class RingAttentionCore(nn.Module):
-    """Causal attention with K/V blocks passed around the cp ring (cp - 1 point-to-point steps) and merged by
-    log-sum-exp; rank r attends its own block causally and the blocks of ranks < r fully.
+    """Causal attention with K/V blocks (kv heads only, repeated on arrival) passed around the cp ring in cp - 1
+    point-to-point steps and merged by log-sum-exp, on the zig-zag split.
 
+    Rank r attends its own two chunks causally (its positions increase along the local sequence). At step s
+    it holds the block of rank src = (r - s) mod cp: when src < r both its query chunks attend src's early
+    chunk (src's late chunk comes after them all); when src > r only its late chunk attends, both of src's
+    chunks (all before it). Either way 2 c^2 scores per step: the same work on every rank, every block used.
     Exact like the all-gather core, with P2P traffic instead of a collective; autograd keeps every block for
     the backward, so the activation memory is that of the all-gather core (no memory saving here)."""
 
-    def __init__(self, cp_mesh: DeviceMesh) -> None:
+    def __init__(self, cp_mesh: DeviceMesh, kv_group: int = 1) -> None:
         super().__init__()
-        self.cp_mesh = cp_mesh
+        self.cp_mesh, self.kv_group = cp_mesh, kv_group
+
+    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
+        return x.repeat_interleave(self.kv_group, dim=1) if self.kv_group > 1 else x
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group, rank, cp = self.cp_mesh.get_group(), self.cp_mesh.get_local_rank(), self.cp_mesh.size()
+        c = _half_chunk(q.shape[2])
         out, lse = attend_block(q, k, v, causal=True)
-        kv = torch.stack([k, v])
+        kv = torch.stack([k[:, ::self.kv_group], v[:, ::self.kv_group]])
         for step in range(1, cp):
             kv = _RingShift.apply(kv, group)
-            if step <= rank:  # the block of rank - step, all before this rank's queries
-                out, lse = merge_blocks(out, lse, *attend_block(q, kv[0], kv[1], causal=False))
-        if rank < cp - 1:
-            # the ring's tail is unused here but its backward shifts must still run, to pair with the
-            # neighbours' (P2P in backward happens only for blocks in the autograd graph)
-            out = out + 0.0 * kv.sum()
+            k_src, v_src = self._repeat(kv[0]), self._repeat(kv[1])
+            if (rank - step) % cp < rank:  # src's early chunk, before both of this rank's chunks
+                out, lse = merge_blocks(out, lse, *attend_block(q, k_src[:, :, :c], v_src[:, :, :c], causal=False))
+            else:  # both of src's chunks, before this rank's late chunk only
+                late_out, late_lse = merge_blocks(out[:, :, c:], lse[:, :, c:],
+                                                  *attend_block(q[:, :, c:], k_src, v_src, causal=False))
+                out, lse = torch.cat([out[:, :, :c], late_out], dim=2), torch.cat([lse[:, :, :c], late_lse], dim=2)
         return out.to(q.dtype)
 
     def extra_repr(self) -> str:
-        return f"cp={self.cp_mesh.size()}, rank={self.cp_mesh.get_local_rank()}, ring P2P K/V"
+        return (f"cp={self.cp_mesh.size()}, rank={self.cp_mesh.get_local_rank()}, kv_group={self.kv_group}, "
+                f"zig-zag ring P2P K/V")
 
 
-def _offset_hook(cp_rank: int):
-    """Forward pre-hook: position_offset = cp_rank * (the local sequence length the module is about to see)."""
+def _positions_hook(cp_rank: int, cp: int):
+    """Forward pre-hook: module.positions = this rank's zig-zag global positions, for the local sequence length
+    the module is about to see (tokens [B, S] or hidden states [B, S, h])."""
 
     def hook(module: nn.Module, args: tuple) -> None:
-        module.position_offset = cp_rank * args[0].shape[1]  # tokens [B, S] or hidden states [B, S, h]
+        local_len = args[0].shape[1]
+        _half_chunk(local_len)
+        module.positions = zigzag_positions(local_len * cp, cp, cp_rank, device=args[0].device)
 
     return hook
+
+
+def kv_group_of(attention: Attention) -> int:
+    """Query heads per kv head, from the projections' (global) output widths."""
+    q_width, kv_width = attention.wq.out_features, attention.wk.out_features
+    if q_width % kv_width:
+        raise ValueError(f"query width {q_width} is not a multiple of the kv width {kv_width}")
+    return q_width // kv_width
 
 
 CP_VARIANTS = {"allgather": ContextParallelCore, "ring": RingAttentionCore}
 
 
 def apply_context_parallel(model: nn.Module, *, cp_mesh: DeviceMesh | None, variant: str = "allgather") -> None:
-    """Replace each attention core by a CP core over cp_mesh (`variant`: "allgather", the default, or "ring")
-    and offset positions by cp rank.
+    """Replace each attention core by a CP core over cp_mesh (`variant`: "allgather", the default, or "ring";
+    both exact, both on the zig-zag split) and give the embedding and attention modules this rank's positions.
 
     A no-op when cp_mesh is None or has size 1. Works on TP-parallelised blocks (local head counts) and on
-    pipeline stages holding some blocks or no embedding. Each rank must be fed the contiguous sequence
-    chunk cp_rank of every sequence (inputs and targets), and the loss averaged over the cp ranks as over
-    data-parallel ones: dense gradients are averaged over dp*ep*cp. The offsets are set by forward
-    pre-hooks, since the local sequence length is only known from the input.
+    pipeline stages holding some blocks or no embedding. Each rank must be fed the tokens at
+    zigzag_positions(S, cp, cp_rank) of every sequence (inputs, and the targets one position later: see
+    train.local_batch), and the loss averaged over the cp ranks as over data-parallel ones (equal shards, so
+    the mean is exact): dense gradients are averaged over dp*ep*cp. The positions are set by forward
+    pre-hooks (the `positions` attribute of TokenEmbedding and Attention), since the local sequence length is
+    only known from the input.
     """
     if cp_mesh is None or cp_mesh.size() == 1:
         return
@@ -178,17 +232,17 @@ def apply_context_parallel(model: nn.Module, *, cp_mesh: DeviceMesh | None, vari
         raise ValueError(f"cp_mesh must be a 1-D mesh (the 'cp' axis), got {cp_mesh.ndim} dimensions")
     if variant not in CP_VARIANTS:
         raise ValueError(f"unknown context-parallel variant {variant!r}: choose one of {', '.join(CP_VARIANTS)}")
-    hook = _offset_hook(cp_mesh.get_local_rank())
+    hook = _positions_hook(cp_mesh.get_local_rank(), cp_mesh.size())
     for module in list(model.modules()):
         if isinstance(module, Attention):
             if not isinstance(module.core, AttentionCore):
                 raise ValueError(f"attention core is already {type(module.core).__name__}: apply context "
                                  f"parallelism once, to the reference AttentionCore")
-            module.core = CP_VARIANTS[variant](cp_mesh)
+            module.core = CP_VARIANTS[variant](cp_mesh, kv_group=kv_group_of(module))
             module.register_forward_pre_hook(hook)
         elif isinstance(module, TokenEmbedding):
             module.register_forward_pre_hook(hook)
 
 
 __all__ = ["CP_VARIANTS", "ContextParallelCore", "RingAttentionCore", "apply_context_parallel", "attend_block",
-           "causal_mask", "gather_sequence", "merge_blocks"]
+           "causal_mask", "gather_sequence", "kv_group_of", "merge_blocks", "zigzag_positions"]

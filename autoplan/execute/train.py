@@ -3,7 +3,8 @@
 The same seed gives the same initial weights (the full model is built on CPU after
 torch.manual_seed(seed), before any sharding) and the same data (the global batch of step k is drawn
 from a torch.Generator seeded with (seed * 1000003 + k) mod 2^32), so one process with tp = pp = dp = 1 is the
-reference for every plan. Loss: mean next-token cross entropy over all tokens of the global batch.
+reference for every plan. Loss: mean next-token cross entropy over all tokens of the global batch; cp ranks
+hold equal zig-zag shards of each sequence (chunks r and 2cp-1-r of 2*cp), so their mean loss is exact.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from autoplan.execute.apply import apply_plan, config_of
 from autoplan.execute.checkpoint import load_checkpoint, save_checkpoint
+from autoplan.execute.context import zigzag_positions
 from autoplan.execute.fsdp import ZERO1_RUNS_AS_ZERO2
 from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
@@ -137,16 +139,14 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def local_batch(batch: torch.Tensor, config: ParallelConfig, meshes: SubMeshes) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's (inputs, targets): rows of replica dp_rank * ep + ep_rank, columns of its cp chunk."""
+    """This rank's (inputs, targets): rows of replica dp_rank * ep + ep_rank; columns of its cp shard, the
+    load-balanced ("zig-zag") split of context.zigzag_positions: the sequence cut into 2*cp equal chunks,
+    cp rank r holding chunks r and 2cp-1-r (targets: the same positions + 1). All of the sequence when cp = 1."""
     replica = meshes.rank_on("dp") * config.ep + meshes.rank_on("ep")
     rows = batch.shape[0] // config.num_replicas
-    seq_len = batch.shape[1] - 1
-    if seq_len % config.cp:
-        raise ValueError(f"seq_len {seq_len} does not divide into cp={config.cp} chunks: use a multiple of {config.cp}")
-    chunk = seq_len // config.cp
-    start = meshes.rank_on("cp") * chunk
+    positions = zigzag_positions(batch.shape[1] - 1, config.cp, meshes.rank_on("cp"))
     mine = batch[replica * rows:(replica + 1) * rows]
-    return mine[:, start:start + chunk].contiguous(), mine[:, start + 1:start + 1 + chunk].contiguous()
+    return mine[:, positions].contiguous(), mine[:, positions + 1].contiguous()
 
 
 def _scalar(t: torch.Tensor) -> float:

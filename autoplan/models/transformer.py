@@ -24,11 +24,14 @@ class TokenEmbedding(nn.Module):
         self.tok = nn.Embedding(config.vocab_size, config.hidden_size)
         self.pos = nn.Embedding(config.max_seq_len, config.hidden_size) if config.family == "gpt" else None
         self.position_offset = 0  # global position of this rank's first token (context parallelism)
+        self.positions: torch.Tensor | None = None  # or this rank's global positions, when not contiguous
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.tok(tokens)
         if self.pos is not None:
-            positions = torch.arange(tokens.shape[-1], device=tokens.device) + self.position_offset
+            positions = self.positions
+            if positions is None:
+                positions = torch.arange(tokens.shape[-1], device=tokens.device) + self.position_offset
             x = x + self.pos(positions)
         return x
 
@@ -74,6 +77,7 @@ class Attention(nn.Module):
         self.use_rope = config.family == "llama"
         self.rope_theta = config.rope_theta
         self.position_offset = 0  # global position of this rank's first token (context parallelism)
+        self.positions: torch.Tensor | None = None  # or this rank's global positions, when not contiguous
         self.wq = nn.Linear(h, config.num_heads * d, bias=bias)
         self.wk = nn.Linear(h, config.num_kv_heads * d, bias=bias)
         self.wv = nn.Linear(h, config.num_kv_heads * d, bias=bias)
@@ -86,7 +90,9 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.use_rope:
-            positions = torch.arange(s, device=x.device) + self.position_offset
+            positions = self.positions
+            if positions is None:
+                positions = torch.arange(s, device=x.device) + self.position_offset
             cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -1,6 +1,6 @@
-"""Context parallelism on gloo against the single-process model: cp2 (and cp4) with causal attention on
-tiny-gpt (learned positions) and tiny-llama (RoPE, grouped-query attention) over several SGD steps, with the
-all-gather and the ring core, and a
+"""Context parallelism on gloo against the single-process model: cp2 (and cp4) with causal attention on the
+zig-zag split (rank r holds chunks r and 2cp-1-r of 2*cp), on tiny-gpt (learned positions) and tiny-llama
+(RoPE, grouped-query attention) over several SGD steps, with the all-gather and the ring core, and a
 cp2 x dp2 FSDP plan through apply_plan (cp with ep and pp: test_exec_experts.py)."""
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ def _batch(step: int) -> torch.Tensor:
 
 def _train(model: torch.nn.Module, *, replica: int = 0, num_replicas: int = 1, cp_rank: int = 0, cp: int = 1,
            grad_mesh: DeviceMesh | None = None) -> list[float]:
-    """SGD steps; rank (replica, cp_rank) takes its batch rows and its contiguous sequence chunk.
+    """SGD steps; rank (replica, cp_rank) takes its batch rows and its zig-zag sequence positions.
     grad_mesh: average plain-tensor gradients over it by hand (no data-parallel wrapper)."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
     for step in range(STEPS):
         tokens = _batch(step).chunk(num_replicas)[replica]
-        inputs, targets = tokens[:, :-1].chunk(cp, dim=1)[cp_rank], tokens[:, 1:].chunk(cp, dim=1)[cp_rank]
+        chunks = tokens[:, :-1].chunk(2 * cp, dim=1), tokens[:, 1:].chunk(2 * cp, dim=1)
+        inputs, targets = (torch.cat([part[cp_rank], part[2 * cp - 1 - cp_rank]], dim=1) for part in chunks)
         logits = model(inputs)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         loss.backward()
@@ -58,15 +59,15 @@ def _reference(name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
 
 
 def _cp_run(rank: int, world_size: int, name: str, variant: str
-            ) -> tuple[list[float], dict[str, torch.Tensor], list[int]]:
+            ) -> tuple[list[float], dict[str, torch.Tensor], list[list[int]]]:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("cp",))
     torch.manual_seed(SEED)
     model = preset(name)
     apply_context_parallel(model, cp_mesh=mesh["cp"], variant=variant)
     assert all(isinstance(block.attn.core, CP_VARIANTS[variant]) for block in model.layers.values())
     losses = _train(model, cp_rank=rank, cp=world_size, grad_mesh=mesh["cp"])
-    offsets = [model.embed.position_offset] + [block.attn.position_offset for block in model.layers.values()]
-    return losses, {n: p.detach() for n, p in model.named_parameters()}, offsets
+    modules = [model.embed, *(block.attn for block in model.layers.values())]
+    return losses, {n: p.detach() for n, p in model.named_parameters()}, [m.positions.tolist() for m in modules]
 
 
 def _check(results: list, ref_losses: list[float], ref_params: dict[str, torch.Tensor]) -> None:
@@ -79,14 +80,16 @@ def _check(results: list, ref_losses: list[float], ref_params: dict[str, torch.T
 
 @pytest.mark.parametrize("name,cp,variant", [
     ("tiny-gpt", 2, "allgather"), ("tiny-llama", 2, "allgather"), ("tiny-llama", 4, "allgather"),
-    ("tiny-llama", 2, "ring"), ("tiny-gpt", 4, "ring"),
+    ("tiny-gpt", 4, "allgather"), ("tiny-llama", 2, "ring"), ("tiny-gpt", 4, "ring"), ("tiny-llama", 4, "ring"),
 ])
 def test_cp_training_equals_reference(name: str, cp: int, variant: str) -> None:
     ref_losses, ref_params = _reference(name)
     results = run_ranks(_cp_run, cp, name, variant)
     _check(results, ref_losses, ref_params)
-    for rank, (*_, offsets) in enumerate(results):  # positions numbered from this rank's first token
-        assert set(offsets) == {rank * SEQ // cp}
+    chunk = SEQ // (2 * cp)
+    for rank, (*_, positions) in enumerate(results):  # chunks rank and 2cp-1-rank of 2*cp
+        expected = [*range(rank * chunk, (rank + 1) * chunk), *range((2 * cp - 1 - rank) * chunk, (2 * cp - rank) * chunk)]
+        assert all(p == expected for p in positions)
 
 
 def test_cp2_dp2_fsdp_plan_trains_like_the_reference() -> None:

@@ -1,12 +1,18 @@
-"""Context-parallel attention math without a process group: the global-position causal mask by hand, and
-chunked attention (the gather done by slicing) and ring blocks merged by log-sum-exp against full attention."""
+"""Context-parallel attention math without a process group: the global-position causal mask by hand, chunked
+attention and ring blocks merged by log-sum-exp against full attention; the zig-zag split (equal causal work per
+rank, positions and targets per rank) and both CP cores on zig-zag shards, the exchange stood in by slicing."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from autoplan.execute.context import attend_block, causal_mask, merge_blocks
+from autoplan.execute import context
+from autoplan.execute.context import attend_block, causal_mask, merge_blocks, zigzag_positions
+from autoplan.execute.train import local_batch
+from autoplan.models import preset
+from autoplan.plan.types import ParallelConfig
 
 
 def test_causal_mask_first_chunk_is_lower_triangular() -> None:
@@ -58,3 +64,142 @@ def test_merge_blocks_by_hand() -> None:
                             torch.tensor([3.0]).log())
     torch.testing.assert_close(out, torch.tensor([[0.25 * 2.0 + 0.75 * 6.0]]))
     torch.testing.assert_close(lse, torch.tensor([4.0]).log())
+
+
+# --- the load-balanced (zig-zag) split ------------------------------------------------------------------
+
+
+def test_zigzag_positions_by_hand() -> None:
+    # 8 positions, cp 2: chunks of 2; rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    # 12 positions, cp 3: chunks of 2
+    assert [zigzag_positions(12, 3, r).tolist() for r in range(3)] == [[0, 1, 10, 11], [2, 3, 8, 9], [4, 5, 6, 7]]
+    assert zigzag_positions(5, 1, 0).tolist() == [0, 1, 2, 3, 4]
+
+
+def test_zigzag_gives_every_rank_the_same_causal_work() -> None:
+    seq, cp = 16, 4
+    # unmasked (query, key) pairs of a query at position p: keys 0..p, p + 1 of them
+    work = [sum(p + 1 for p in zigzag_positions(seq, cp, r).tolist()) for r in range(cp)]
+    # by hand, c = 2: chunks r and 7 - r hold 2 queries each; sum of (p + 1) = 4 * 7 + 2 * 3 = 34 per rank,
+    # a quarter of 16 * 17 / 2 = 136
+    assert work == [34, 34, 34, 34]
+    contiguous = [sum(p + 1 for p in range(r * 4, r * 4 + 4)) for r in range(cp)]
+    assert contiguous == [10, 26, 42, 58]  # last rank (2cp - 1)/cp = 7/4 of the mean 34
+
+
+def test_zigzag_local_batch_positions_and_targets() -> None:
+    batch = torch.arange(2 * 13).reshape(2, 13) * 10  # token at position p of row b is 10 * (13 b + p)
+    for rank, positions in enumerate([[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]]):  # cp 2, chunks of 3
+        inputs, targets = local_batch(batch, ParallelConfig(cp=2), _CpRank(rank))
+        expected = torch.tensor([[10 * (13 * b + p) for p in positions] for b in range(2)])
+        assert torch.equal(inputs, expected) and torch.equal(targets, expected + 10)
+
+
+def test_positions_attribute_overrides_the_offset() -> None:
+    torch.manual_seed(0)
+    gpt = preset("tiny-gpt")
+    tokens = torch.randint(0, 128, (2, 16))
+    picked = torch.tensor([0, 1, 14, 15])  # rank 0 of cp 4
+    full = gpt.embed(tokens)
+    gpt.embed.positions = picked
+    torch.testing.assert_close(gpt.embed(tokens[:, picked]), full[:, picked])
+    torch.testing.assert_close(gpt.embed(tokens[:, picked]),
+                               gpt.embed.tok(tokens[:, picked]) + gpt.embed.pos.weight[picked])
+    attn = preset("tiny-llama").layers["0"].attn
+    seen: list[torch.Tensor] = []
+    attn.core.forward = lambda q, k, v: (seen.append(k), v)[1]  # record the rotated keys
+    x = torch.randn(2, 16, 64)
+    attn(x)
+    attn.positions = picked
+    attn(x[:, picked])
+    torch.testing.assert_close(seen[1], seen[0][:, :, picked])
+
+
+class _CpRank:
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def rank_on(self, axis: str) -> int:
+        return self.rank if axis == "cp" else 0
+
+
+class _FakeMesh:
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.cp = rank, size
+
+    def get_local_rank(self) -> int:
+        return self.rank
+
+    def size(self) -> int:
+        return self.cp
+
+    def get_group(self) -> None:
+        return None
+
+
+def _gqa(seed: int, cp: int, c: int, heads: int = 4, kv_heads: int = 2):
+    """q [1, heads, S, 8]; k, v with kv_heads heads; k, v repeated as Attention does; full causal attention."""
+    gen = torch.Generator().manual_seed(seed)
+    seq = 2 * cp * c
+    q = torch.randn(1, heads, seq, 8, generator=gen)
+    k, v = (torch.randn(1, kv_heads, seq, 8, generator=gen) for _ in range(2))
+    group = heads // kv_heads
+    k_rep, v_rep = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return q, k, v, k_rep, v_rep, group, F.scaled_dot_product_attention(q, k_rep, v_rep, is_causal=True)
+
+
+RANKS = [(2, 0), (2, 1), (3, 0), (3, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("cp,rank", RANKS)
+def test_allgather_core_on_zigzag_shards_equals_full_attention(cp: int, rank: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The core's math on one rank, the all-gather stood in by slicing: it must gather kv heads only (g/a of
+    the repeated bytes), in rank order, and do (2cp + 1) c^2 query-key scores, the same on every rank."""
+    c = 3
+    q, k, v, k_rep, v_rep, group, full = _gqa(0, cp, c)
+    shards = [zigzag_positions(2 * cp * c, cp, r) for r in range(cp)]
+    mine, scores, sdpa = shards[rank], [], F.scaled_dot_product_attention
+
+    def fake_gather(x: torch.Tensor, mesh: _FakeMesh) -> torch.Tensor:
+        assert x.shape[1] == k.shape[1]  # kv heads only cross the wire
+        source = k if torch.equal(x, k[:, :, mine]) else v
+        torch.testing.assert_close(x, source[:, :, mine])
+        return torch.cat([source[:, :, s] for s in shards], dim=2)
+
+    def counting_sdpa(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor, **kw) -> torch.Tensor:
+        scores.append(q_.shape[2] * k_.shape[2])
+        return sdpa(q_, k_, v_, **kw)
+
+    monkeypatch.setattr(context, "gather_sequence", fake_gather)
+    monkeypatch.setattr(context.F, "scaled_dot_product_attention", counting_sdpa)
+    core = context.ContextParallelCore(_FakeMesh(rank, cp), kv_group=group)  # type: ignore[arg-type]
+    out = core(q[:, :, mine], k_rep[:, :, mine], v_rep[:, :, mine])
+    torch.testing.assert_close(out, full[:, :, mine])
+    assert sum(scores) == (2 * cp + 1) * c * c
+
+
+@pytest.mark.parametrize("cp,rank", RANKS)
+def test_ring_core_on_zigzag_shards_equals_full_attention(cp: int, rank: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring core on one rank, the P2P shift stood in by handing over rank - step's un-repeated K/V."""
+    c = 2
+    q, k, v, k_rep, v_rep, group, full = _gqa(1, cp, c)
+    shards = [zigzag_positions(2 * cp * c, cp, r) for r in range(cp)]
+    mine, steps = shards[rank], []
+
+    class FakeShift:
+        @staticmethod
+        def apply(kv: torch.Tensor, _group: None) -> torch.Tensor:
+            assert kv.shape[2] == k.shape[1]  # kv heads only cross the wire
+            steps.append(1)
+            src = shards[(rank - len(steps)) % cp]
+            return torch.stack([k[:, :, src], v[:, :, src]])
+
+    monkeypatch.setattr(context, "_RingShift", FakeShift)
+    core = context.RingAttentionCore(_FakeMesh(rank, cp), kv_group=group)  # type: ignore[arg-type]
+    out = core(q[:, :, mine], k_rep[:, :, mine], v_rep[:, :, mine])
+    assert len(steps) == cp - 1
+    torch.testing.assert_close(out, full[:, :, mine])

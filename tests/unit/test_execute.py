@@ -40,18 +40,27 @@ def test_local_batches_tile_the_global_batch() -> None:
     config = ParallelConfig(dp=2, ep=2, cp=2)
     batch = make_batch(0, 0, global_batch=8, seq_len=8, vocab_size=100)
     inputs, targets = torch.full((8, 8), -1), torch.full((8, 8), -1)
+    # zig-zag: 4 chunks of 2 positions; cp rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    columns = {0: [0, 1, 6, 7], 1: [2, 3, 4, 5]}
     for dp in range(2):
         for ep in range(2):
             for cp in range(2):
                 x, y = local_batch(batch, config, _Coords(dp=dp, ep=ep, cp=cp))
-                row, col = (dp * 2 + ep) * 2, cp * 4  # replica dp*ep + ep_rank owns 2 rows; cp owns 4 columns
-                inputs[row:row + 2, col:col + 4], targets[row:row + 2, col:col + 4] = x, y
+                row = (dp * 2 + ep) * 2  # replica dp*ep + ep_rank owns 2 rows
+                inputs[row:row + 2, columns[cp]], targets[row:row + 2, columns[cp]] = x, y
     assert torch.equal(inputs, batch[:, :-1]) and torch.equal(targets, batch[:, 1:])
 
 
-def test_local_batch_rejects_a_sequence_cp_does_not_divide() -> None:
-    with pytest.raises(ValueError, match="cp=3"):
-        local_batch(torch.zeros(2, 9, dtype=torch.long), ParallelConfig(cp=3), _Coords())
+@pytest.mark.parametrize("seq_len,cp", [(9, 3), (6, 2)])
+def test_local_batch_rejects_a_sequence_2cp_does_not_divide(seq_len: int, cp: int) -> None:
+    with pytest.raises(ValueError, match=f"2\\*cp = {2 * cp} equal chunks for cp={cp}"):
+        local_batch(torch.zeros(2, seq_len + 1, dtype=torch.long), ParallelConfig(cp=cp), _Coords())
+
+
+def test_local_batch_without_cp_takes_any_sequence_length() -> None:
+    batch = torch.arange(14).reshape(2, 7)
+    x, y = local_batch(batch, ParallelConfig(), _Coords())
+    assert torch.equal(x, batch[:, :-1]) and torch.equal(y, batch[:, 1:])
 
 
 def test_even_stages_and_placement() -> None:
