@@ -45,8 +45,9 @@ def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int, b: int = 1, 
 
     Blocks: FLOPs 24 b s h^2 (matmuls) + 4 b s^2 h (attention core) (Narayanan et al. 2021, appendix),
     parameters 12 h^2 + 13 h, activations s b h (34 + 5 a s / h) with the 5 a s^2 b scores when the
-    attention is unfused (Korthikanti et al. 2022). Embedding: (V + s) h parameters (word + learned
-    positions), read rows + add positions + dropout: ~8 s b h bytes. Head: the V x h projection
+    attention is unfused (Korthikanti et al. 2022); causal (GPT), but unfused attention computes the
+    whole square and masks it, so causality does not change its cost. Embedding: (V + s) h parameters
+    (word + learned positions), read rows + add positions + dropout: ~8 s b h bytes. Head: the V x h projection
     (2 b s h V FLOPs; tied to the embedding, but the last pipeline stage keeps its own copy, so its
     parameters are counted) and Megatron's vocab-parallel cross entropy in fp32: logits stored
     2 + 4 bytes each, and about 24 bytes of traffic per logit (fp16 write, max, subtract, exp, sum,
@@ -59,7 +60,8 @@ def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int, b: int = 1, 
         "kind": "block", "role": LayerRole.BLOCK, "fwd_matmul_flops": 2.0 * tok * (4 * h * h + 2 * h * f),
         "fwd_attention_flops": 4.0 * b * s * s * h, "fwd_elementwise_flops": 10.0 * tok * h,
         "num_params": params, "param_bytes": 2 * params, "activation_bytes": 34 * tok * h + scores,
-        "attention_activation_bytes": scores, "input_bytes": 2 * tok * h, "output_bytes": 2 * tok * h,
+        "attention_activation_bytes": scores, "causal_attention": True, "input_bytes": 2 * tok * h,
+        "output_bytes": 2 * tok * h,
         "hidden_size": h, "num_heads": a, "num_kv_heads": a, "ffn_hidden_size": f, "num_nodes": BLOCK_OPS,
     }
     out = [Layer(name="embed", kind="embed", role=LayerRole.EMBEDDING, index=0, fwd_matmul_flops=0.0,

@@ -17,6 +17,12 @@ from autoplan.plan.types import ParallelConfig, Recompute
 # the wgrad output it adds in, 2 + 2). See layer_compute.
 GRAD_ACCUMULATE_BYTES = 4
 
+# Share of the full s x s attention square a fused causal kernel computes: FlashAttention skips the
+# blocks above the diagonal, and its reported efficiencies (the profiles' attention_efficiency) count
+# causal FLOPs as half the square (Dao 2023, arXiv 2307.08691, sections 3.1 and 4.1). Layer FLOPs keep
+# Megatron's full-square convention for MFU (Narayanan et al. 2021).
+FUSED_CAUSAL_FRACTION = 0.5
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class BlockShape:
@@ -167,6 +173,11 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     the forward's 2). Recompute: full re-runs the block's forward; selective re-runs the attention core
     and its score kernels (Korthikanti et al. 2022, section 5).
 
+    Attention core: fwd_attention_flops (the full s x s square) at attention_efficiency, times
+    FUSED_CAUSAL_FRACTION when the layer's attention is causal and fused (scores not materialised): the
+    kernel skips the masked half, and attention_efficiency counts only the unmasked half (Dao 2023).
+    Unfused attention (Megatron-LM 2021) computes the whole square and masks it: full cost.
+
     Host-bound floor: kernels are issued asynchronously, so a phase takes max(device time, host time)
     with host time = the layer's forward op count (Layer.num_nodes) x device.op_overhead_s, twice that
     for the backward (about two ops per forward op: input and weight gradients), once more for a
@@ -210,7 +221,10 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         dw_s = sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups)
         elementwise_bytes, score_bytes = block_elementwise_bytes(
             shape, tokens, seq_len, config, dtype_bytes, scores_materialised)
-    attn_s = layer.fwd_attention_flops * scale / t / (peak_flops * device.attention_efficiency)
+    attn_flops = layer.fwd_attention_flops * scale / t
+    if layer.causal_attention and not scores_materialised:
+        attn_flops *= FUSED_CAUSAL_FRACTION
+    attn_s = attn_flops / (peak_flops * device.attention_efficiency)
     elem_s = memory_time_s(device, elementwise_bytes)
     fwd = mm_s + attn_s + elem_s
     bwd = dx_s + dw_s + 2.0 * attn_s + 1.5 * elem_s

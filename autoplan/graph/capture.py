@@ -315,6 +315,7 @@ def _layer(
         param_bytes=sum(p.numel() * p.element_size() for _, p in own),
         activation_bytes=act,
         attention_activation_bytes=attn_act,
+        causal_attention=recognise.causal_attention(nodes, hint),
         input_bytes=in_bytes,
         output_bytes=out_bytes,
         bytes_moved=m.bytes_moved,

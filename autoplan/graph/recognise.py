@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import fx, nn
 
 from autoplan.graph import ops
@@ -193,3 +194,72 @@ def _source_linear(start: fx.Node, inside: set[fx.Node]) -> fx.Node | None:
             return None
         node = inputs[0]
     return None
+
+
+# A mask is evaluated only up to this many elements (s = 8192 for a square mask): larger ones are left
+# unchecked and the layer is taken as non-causal.
+_MASK_EVAL_MAX_NUMEL = 1 << 26
+
+
+def causal_attention(nodes: list[fx.Node], hint: Hint) -> bool:
+    """Whether every fused attention op in `nodes` is causal: called with is_causal=True and no mask
+    (autoplan.models), or given a mask that equals the lower triangle, recognised by evaluating the
+    mask's subgraph when it is built from constants alone (Hugging Face transformers 5 under
+    torch.export passes a boolean mask from arange comparisons). A mask fed by an input, a buffer or a
+    parameter, or of more than _MASK_EVAL_MAX_NUMEL elements, is not recognised: False."""
+    cores = [node for node in nodes if ops.is_attention(node.target)]
+    with torch.device("cpu"):  # the caller may be inside `with torch.device("meta")`
+        return bool(cores) and all(_core_is_causal(node, hint) for node in cores)
+
+
+def _core_is_causal(node: fx.Node, hint: Hint) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    bound = dict(zip(names, node.args)) | dict(node.kwargs)
+    mask = bound.get("attn_mask", bound.get("attn_bias"))
+    if mask is None:
+        return bool(bound.get("is_causal", False))
+    q, k = node.args[0].meta["val"], node.args[1].meta["val"]
+    s_q, s_k = hint(q.shape[-2]), hint(k.shape[-2])
+    if not isinstance(mask, fx.Node) or s_q != s_k:
+        return False
+    value = _evaluate_constant(mask)
+    if value is None or value.dim() < 2 or value.shape[-2:] not in {(s_q, s_k), (1, s_k), (s_q, 1)}:
+        return False
+    allowed = value if value.dtype == torch.bool else value == 0
+    if value.dtype != torch.bool and not bool((value[~allowed] <= -1e4).all()):
+        return False  # a bias (ALiBi, relative positions), not a mask
+    lower = torch.ones(s_q, s_k, dtype=torch.bool).tril()
+    return bool((allowed.expand(*allowed.shape[:-2], s_q, s_k) == lower).all())
+
+
+def _evaluate_constant(out: fx.Node) -> torch.Tensor | None:
+    """Run the subgraph that computes `out` on the CPU, if it reads no input, parameter or buffer and
+    every tensor in it has at most _MASK_EVAL_MAX_NUMEL elements; else None."""
+    seen: set[fx.Node] = set()
+    stack = [out]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        if node.op != "call_function":
+            return None
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and any(not isinstance(d, int) for d in val.shape):
+            return None
+        if isinstance(val, torch.Tensor) and val.numel() > _MASK_EVAL_MAX_NUMEL:
+            return None
+        seen.add(node)
+        stack.extend(node.all_input_nodes)
+    values: dict[fx.Node, object] = {}
+    try:
+        for node in (n for n in out.graph.nodes if n in seen):
+            args = fx.node.map_arg(node.args, values.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, values.__getitem__)
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": torch.device("cpu")}
+            values[node] = node.target(*args, **kwargs)
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return None
+    result = values[out]
+    return result if isinstance(result, torch.Tensor) else None

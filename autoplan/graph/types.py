@@ -36,6 +36,9 @@ class Layer:
     param_bytes: int
     activation_bytes: int  # saved for backward with no recompute (autograd's saved tensors)
     attention_activation_bytes: int = 0  # part of activation_bytes that selective recompute drops
+    # the attention core is causal (is_causal=True, or a recognised lower-triangular mask): a fused kernel
+    # skips the masked half (Dao 2023). Only fused attention ops are inspected: False for unfused ones.
+    causal_attention: bool = False
     input_bytes: int = 0  # the layer's input (what full recompute keeps; what a stage receives)
     output_bytes: int = 0  # the layer's output (what a pipeline stage sends on)
     bytes_moved: int = 0  # memory traffic of the forward: every op's inputs read + outputs written

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from test_cost_graph_helper import a100_cluster, gpt_graph
 
-from autoplan.cost import estimate_layer, matmul_efficiency
+from autoplan.cost import estimate_config, estimate_layer, matmul_efficiency
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.types import ParallelConfig, Recompute
 
@@ -133,3 +133,41 @@ def test_few_tokens_per_device_make_the_block_weight_bound() -> None:
         else:
             hand = sum(2 * seq * k * n for k, n in weights) / 312e12
         assert math.isclose(cost.bwd_weight_s, hand, rel_tol=1e-9), bound
+
+
+def test_fused_causal_attention_costs_half_the_square() -> None:
+    """FlashAttention skips the masked half of a causal square (Dao 2023): 1.56 TFLOP of full-square
+    attention costs 0.78 TFLOP at peak; matmuls unchanged."""
+    cluster = a100_cluster(ideal=True)
+    cost = estimate_layer(_plain(3.12e12, 1.56e12, causal_attention=True), cluster, ParallelConfig(),
+                          Recompute.NONE, seq_len=128)
+    assert math.isclose(cost.fwd_s, (3.12e12 + 0.78e12) / 312e12, rel_tol=1e-9)
+    assert math.isclose(cost.bwd_s, 2 * (3.12e12 + 0.78e12) / 312e12, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("recompute", list(Recompute))
+def test_causal_halves_fused_attention_time_and_leaves_unfused_alone(recompute: Recompute) -> None:
+    h, a, s = 1024, 16, 2048
+    cluster = a100_cluster(ideal=True)
+    core = 4.0 * s * s * h / 312e12  # the full square's forward at peak (attention_efficiency 1)
+    for unfused in (False, True):
+        causal = gpt_graph(h=h, a=a, layers=1, seq=s, unfused=unfused).blocks[0]
+        assert causal.causal_attention
+        full = dataclasses.replace(causal, causal_attention=False)
+        c, f = (estimate_layer(x, cluster, ParallelConfig(), recompute, seq_len=s) for x in (causal, full))
+        saved = 0.0 if unfused else core / 2
+        assert math.isclose(f.fwd_s - c.fwd_s, saved, rel_tol=1e-9, abs_tol=1e-15)
+        assert math.isclose(f.bwd_s - c.bwd_s, 2 * saved, rel_tol=1e-9, abs_tol=1e-15)
+        redo = {Recompute.NONE: 0.0, Recompute.SELECTIVE: saved, Recompute.FULL: saved}[recompute]
+        assert math.isclose(f.recompute_s - c.recompute_s, redo, rel_tol=1e-9, abs_tol=1e-15)
+
+
+def test_causal_attention_changes_time_not_model_flops() -> None:
+    """MFU keeps Megatron's full-square FLOPs (Narayanan et al. 2021): mfu x step time is the same."""
+    g = gpt_graph(h=1024, a=16, layers=2, seq=4096, unfused=False)
+    full = dataclasses.replace(g, layers=tuple(dataclasses.replace(x, causal_attention=False) for x in g.layers))
+    cluster = a100_cluster(1)
+    cfg = ParallelConfig(dp=8, microbatch=1)
+    e_causal, e_full = (estimate_config(x, cluster, cfg, global_batch=16) for x in (g, full))
+    assert e_causal.step_time_s < e_full.step_time_s
+    assert math.isclose(e_causal.mfu * e_causal.step_time_s, e_full.mfu * e_full.step_time_s, rel_tol=1e-9)

@@ -12,7 +12,8 @@ from autoplan.graph.types import Layer, LayerGraph, LayerRole
 
 def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int = 50257, b: int = 1,
               unfused: bool = True, kv: int | None = None, experts: int = 0, top_k: int = 0) -> LayerGraph:
-    """A GPT with a 4h GELU MLP, microbatch b: embed, `layers` blocks, head (untied weights)."""
+    """A GPT with a 4h GELU MLP, microbatch b: embed, `layers` blocks, head (untied weights). Its attention
+    is causal; `unfused` materialises the scores (Megatron-LM 2021), else a fused (FlashAttention) kernel."""
     s, f, kv = seq, 4 * h, kv or a
     tok = b * s
     qkv = h + 2 * h * kv // a
@@ -25,8 +26,8 @@ def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int = 50257, b: i
         "role": LayerRole.BLOCK, "fwd_matmul_flops": mm, "fwd_attention_flops": 4.0 * b * s * s * h,
         "fwd_elementwise_flops": 10.0 * tok * h, "num_params": params, "param_bytes": 2 * params,
         "activation_bytes": 34 * s * b * h + scores, "attention_activation_bytes": scores,
-        "input_bytes": 2 * tok * h, "output_bytes": 2 * tok * h, "hidden_size": h, "num_heads": a,
-        "num_kv_heads": kv, "ffn_hidden_size": f, "num_experts": experts, "top_k": top_k,
+        "causal_attention": True, "input_bytes": 2 * tok * h, "output_bytes": 2 * tok * h, "hidden_size": h,
+        "num_heads": a, "num_kv_heads": kv, "ffn_hidden_size": f, "num_experts": experts, "top_k": top_k,
         "expert_params": expert_params, "fwd_expert_flops": expert_flops,
     }
     out = [Layer(name="embed", kind="embed", role=LayerRole.EMBEDDING, index=0, fwd_matmul_flops=0.0,

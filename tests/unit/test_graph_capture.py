@@ -152,3 +152,10 @@ def test_real_weights_are_neither_moved_nor_changed() -> None:
     assert all(p.device.type == "cpu" and p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert g.layers == graph_of("tiny-gpt")[1].layers
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gpt", "tiny-moe"])
+def test_preset_blocks_are_causal_and_nothing_else(name: str) -> None:
+    """The reference model calls SDPA with is_causal=True (autoplan/models/transformer.py)."""
+    _, g = graph_of(name)
+    assert [layer.causal_attention for layer in g.layers] == [layer.role is LayerRole.BLOCK for layer in g.layers]

@@ -94,3 +94,10 @@ def test_mixtral_expert_flops_are_tokens_times_top_k_applications() -> None:
         assert block.is_moe and (block.num_experts, block.top_k) == (8, 2)
         assert block.fwd_expert_flops == 2 * SEQ * c.top_k * 3 * c.hidden_size * c.expert_ffn_hidden_size
         assert block.expert_params == 8 * 3 * c.hidden_size * c.expert_ffn_hidden_size
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "mixtral-8x7b"])
+def test_hf_lower_triangular_mask_is_recognised_as_causal(name: str) -> None:
+    """transformers 5 under torch.export passes an explicit boolean mask built from arange comparisons."""
+    g = hf(name)
+    assert [layer.causal_attention for layer in g.layers] == [layer.role is LayerRole.BLOCK for layer in g.layers]
