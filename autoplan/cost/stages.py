@@ -27,8 +27,10 @@ def check_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig
                              f"{layer.name!r}: choose ep among the divisors of {layer.num_experts}")
     if config.ep > 1 and not any(layer.num_experts for layer in graph.layers):
         raise ValueError(f"ep={config.ep} on a dense model ({graph.model_name!r} has no experts): use ep=1")
-    if graph.seq_len % config.cp:
-        raise ValueError(f"cp={config.cp} does not divide seq_len={graph.seq_len}: choose cp among its divisors")
+    if config.cp > 1 and graph.seq_len % (2 * config.cp):
+        # the load-balanced causal split cuts the sequence into 2*cp chunks (Megatron-core, Llama 3)
+        raise ValueError(f"cp={config.cp} needs seq_len divisible by 2*cp={2 * config.cp} (load-balanced "
+                         f"causal split), got seq_len={graph.seq_len}: choose cp with 2*cp dividing it")
     num_stages = config.pp * config.virtual_stages
     if num_stages > max(len(blocks), 1):
         raise ValueError(f"pp*virtual_stages = {num_stages} pipeline stages but {graph.model_name!r} has "

@@ -111,7 +111,7 @@ def mesh_shapes(
     graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions
 ) -> tuple[tuple[int, int, int, int, int], ...]:
     """(tp, pp, dp, cp, ep) with product = devices; tp inside a node dividing heads / kv heads / ffn,
-    ep dividing the experts (1 for dense models), cp dividing seq_len, pp <= blocks, dp*ep dividing the
+    ep dividing the experts (1 for dense models), 2*cp dividing seq_len (cp > 1), pp <= blocks, dp*ep dividing the
     global batch (else no microbatch works)."""
     limits = ModelLimits.of(graph)
     n = cluster.num_devices
@@ -121,7 +121,9 @@ def mesh_shapes(
     out = []
     for tp in _allowed(tps, options.tp):
         for ep in _allowed(eps, options.ep):
-            for cp in _allowed(divisors(graph.seq_len), options.cp):
+            # cp > 1 splits the sequence into 2*cp load-balanced chunks (execute/context.py), so 2*cp | seq_len
+            cps = [c for c in divisors(graph.seq_len) if c == 1 or graph.seq_len % (2 * c) == 0]
+            for cp in _allowed(cps, options.cp):
                 inner = tp * ep * cp
                 if n % inner:
                     continue

@@ -115,7 +115,7 @@ def test_balanced_stages_puts_embedding_first_and_head_last() -> None:
     (ParallelConfig(dp=8), 12, "global batch 12"),
     (ParallelConfig(tp=8, dp=1, microbatch=1), 8, "tp=8 does not divide the attention heads"),
     (ParallelConfig(dp=4, ep=2), 8, "dense model"),
-    (ParallelConfig(dp=2, cp=4), 8, "cp=4 does not divide seq_len=18"),
+    (ParallelConfig(dp=2, cp=4), 8, r"cp=4 needs seq_len divisible by 2\*cp=8"),
     (ParallelConfig(pp=8, dp=1), 8, "blocks"),
 ])
 def test_configs_that_cannot_run(cfg, batch, match) -> None:

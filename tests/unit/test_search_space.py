@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from test_cost_graph_helper import a100_cluster, gpt_graph
 
 import autoplan
@@ -15,7 +16,8 @@ def _reference(n: int, per_node: int, heads: int, blocks: int, seq: int, batch: 
     for tp, pp, dp, cp, ep in itertools.product(range(1, n + 1), repeat=5):
         if tp * pp * dp * cp * ep != n or per_node % tp or heads % tp or (4 * 64 * heads) % tp:
             continue
-        if seq % cp or pp > blocks or batch % (dp * ep) or (ep > 1 and (not experts or experts % ep)):
+        # cp > 1: the load-balanced causal split cuts the sequence into 2*cp chunks
+        if (cp > 1 and seq % (2 * cp)) or pp > blocks or batch % (dp * ep) or (ep > 1 and (not experts or experts % ep)):
             continue
         per = batch // (dp * ep)
         for mb in (b for b in range(1, per + 1) if per % b == 0):
@@ -29,8 +31,9 @@ def _reference(n: int, per_node: int, heads: int, blocks: int, seq: int, batch: 
     return out
 
 
-def test_space_is_every_legal_combination_and_nothing_else() -> None:
-    graph = gpt_graph(h=256, a=4, layers=4, seq=128, vocab=512)
+@pytest.mark.parametrize("seq", [128, 24])  # 24: cp=8 would need 16 | 24, so only cp in 1, 2, 4
+def test_space_is_every_legal_combination_and_nothing_else(seq: int) -> None:
+    graph = gpt_graph(h=256, a=4, layers=4, seq=seq, vocab=512)
     cluster = a100_cluster(2, per_node=4)
     space = enumerate_space(graph, cluster, SearchOptions(global_batch=8))
     got = set()
@@ -39,7 +42,7 @@ def test_space_is_every_legal_combination_and_nothing_else() -> None:
         got.add((c.tp, c.pp, c.dp, c.cp, c.ep, int(c.sp), c.zero, c.microbatch, c.schedule.value,
                  c.virtual_stages, c.recompute.value))
     assert len(got) == len(space)  # no duplicates
-    assert got == _reference(8, 4, 4, 4, 128, 8, 0)
+    assert got == _reference(8, 4, 4, 4, seq, 8, 0)
 
 
 def test_restricting_options_restricts_the_space() -> None:
