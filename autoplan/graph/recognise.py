@@ -223,6 +223,12 @@ def _core_is_causal(node: fx.Node, hint: Hint) -> bool:
     s_q, s_k = hint(q.shape[-2]), hint(k.shape[-2])
     if not isinstance(mask, fx.Node) or s_q != s_k:
         return False
+    if "autoplan_lower_triangular" not in mask.meta:  # blocks share one mask: evaluate it once
+        mask.meta["autoplan_lower_triangular"] = _is_lower_triangular(mask, s_q, s_k)
+    return mask.meta["autoplan_lower_triangular"]
+
+
+def _is_lower_triangular(mask: fx.Node, s_q: int, s_k: int) -> bool:
     value = _evaluate_constant(mask)
     if value is None or value.dim() < 2 or value.shape[-2:] not in {(s_q, s_k), (1, s_k), (s_q, 1)}:
         return False

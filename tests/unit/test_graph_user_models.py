@@ -147,6 +147,10 @@ def test_vit_explicit_attention_scores_are_the_selective_recompute_part() -> Non
         assert block.activation_bytes > block.attention_activation_bytes
 
 
+def test_vit_bidirectional_attention_is_not_causal() -> None:
+    assert not any(layer.causal_attention for layer in vit_graph().layers)
+
+
 # --- errors -----------------------------------------------------------------------------------------------
 
 
