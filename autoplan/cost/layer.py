@@ -113,10 +113,8 @@ def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelC
 
     Load balance: attention FLOPs split evenly over cp, as in the load-balanced split of the published
     runtimes (rank i holds chunks i and 2cp-1-i of 2cp: Megatron-core CP; Llama 3, Dubey et al. 2024,
-    section 3.3.2; torchtitan's context_parallel). autoplan's own executor (execute/context.py) keeps cp
-    contiguous chunks, so under a causal mask its last rank does (2cp - 1)/cp times the average attention
-    work, and it all-gathers K and V after repeating the kv heads (a/g times the bytes above): runs of
-    that executor with cp > 1 will be slower than this estimate until it adopts the balanced split."""
+    section 3.3.2; torchtitan's context_parallel). autoplan's own executor (execute/context.py) uses the
+    same split and exchanges only the kv heads (the bytes above)."""
     if config.cp == 1 or shape is None:
         return 0.0, 0.0
     group = comm.group_placement(config, ("cp",), cluster.devices_per_node)
