@@ -37,7 +37,8 @@ def main() -> int:
 
     import autoplan
     from autoplan.cluster.load import Cluster
-    from autoplan.plan.types import ParallelConfig, Plan
+    from autoplan.plan.types import ParallelConfig
+    from autoplan.search.api import plan_for
 
     ratios = []
     print(f"{args.model}, global batch {args.global_batch} x {args.seq_len} tokens, profile {args.cluster}")
@@ -45,9 +46,8 @@ def main() -> int:
     for values in CONFIGS:
         config = ParallelConfig.from_dict(values, num_devices=None) if "dp" in values else ParallelConfig(**values)
         cluster = Cluster.load(args.cluster, devices_per_node=config.num_devices)
-        est = autoplan.estimate(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
-        plan = Plan(config=config, estimate=est, model_name=args.model, cluster_name=cluster.name,
-                    num_devices=config.num_devices, global_batch=args.global_batch, seq_len=args.seq_len)
+        plan = plan_for(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
+        est = plan.estimate
         t0 = time.perf_counter()
         report = autoplan.execute(plan, args.model, steps=args.steps, timeout_s=120)
         measured = report["step_time_s"]

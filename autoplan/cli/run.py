@@ -63,17 +63,14 @@ def _predicted_plan(args: argparse.Namespace, config: Any, nnodes: int) -> Any:
     import torch
 
     from autoplan.cluster.load import Cluster
-    from autoplan.plan.types import Plan
-    from autoplan.search.api import estimate
+    from autoplan.search.api import plan_for
 
     name = args.cluster or ("dgx-h100-80gb" if torch.cuda.is_available() else "local-cpu")
     per_node, rest = divmod(config.num_devices, nnodes)
     if rest:
         raise ValueError(f"{config.num_devices} ranks do not split evenly over --nnodes {nnodes}")
     cluster = Cluster.load(name, num_nodes=nnodes, devices_per_node=per_node)
-    est = estimate(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
-    return Plan(config=config, estimate=est, model_name=args.model, cluster_name=cluster.name,
-                num_devices=config.num_devices, global_batch=args.global_batch, seq_len=args.seq_len)
+    return plan_for(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
 
 
 def cmd_run(args: argparse.Namespace) -> int:

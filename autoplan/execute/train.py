@@ -85,10 +85,15 @@ def build_model(model_name: str, seed: int) -> Transformer:
         return preset(model_name)
 
 
+def step_generator(seed: int, step: int) -> torch.Generator:
+    """The data generator of one step, the same under every plan."""
+    # the CPU generator keeps 32 bits of its seed; distinct for seeds < 4294 and steps < 1000003
+    return torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**32)
+
+
 def make_batch(seed: int, step: int, *, global_batch: int, seq_len: int, vocab_size: int) -> torch.Tensor:
     """Token ids [global_batch, seq_len + 1] of one step; inputs and targets are its shift by one."""
-    # the CPU generator keeps 32 bits of its seed; distinct for seeds < 4294 and steps < 1000003
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**32)
+    generator = step_generator(seed, step)
     return torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=generator)
 
 
@@ -128,7 +133,7 @@ def load_tokens(path: str, *, vocab_size: int, seq_len: int) -> torch.Tensor:
 def sample_windows(tokens: torch.Tensor, seed: int, step: int, *, global_batch: int, seq_len: int) -> torch.Tensor:
     """[global_batch, seq_len + 1] windows of the token stream at offsets drawn from the same (seed, step)
     generator as make_batch, so every plan sees the same data."""
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**32)
+    generator = step_generator(seed, step)
     starts = torch.randint(0, tokens.numel() - seq_len - 1, (global_batch,), generator=generator)
     return torch.stack([tokens[int(i):int(i) + seq_len + 1] for i in starts])
 

@@ -162,3 +162,12 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any
     from autoplan.cost import estimate_config
 
     return estimate_config(model_graph(model, seq_len), spec, config, global_batch=global_batch)
+
+
+def plan_for(model: str, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
+             seq_len: int) -> Plan:
+    """One given configuration as a Plan carrying its estimate (what `autoplan run` with configuration
+    flags hands the executor, so the run report puts measured and predicted step time side by side)."""
+    est = estimate(model, cluster, config, global_batch=global_batch, seq_len=seq_len)
+    return Plan(config=config, estimate=est, model_name=model, cluster_name=cluster.name,
+                num_devices=config.num_devices, global_batch=global_batch, seq_len=seq_len)
