@@ -18,6 +18,7 @@ from autoplan.cost.pipeline import in_flight_microbatches, pipeline_time_s
 from autoplan.cost.stages import balanced_stages, check_config, check_stages
 from autoplan.cost.types import LayerCost
 from autoplan.graph.types import LayerGraph, LayerRole
+from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import Breakdown, Estimate, MemoryBreakdown, ParallelConfig, Recompute
 
 # Adam step per local parameter, memory-bound (Kingma & Ba 2015 update; PyTorch fused / apex multi-tensor
@@ -74,7 +75,8 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     exposed gradient reduction after the last microbatch + ZeRO-1/2 parameter all-gather + optimizer."""
     m = check_config(graph, cluster, config, global_batch)
     p, v = config.pp, config.virtual_stages
-    stages = balanced_stages(graph, p * v) if stages is None else check_stages(graph, stages, p * v)
+    stages = balanced_stages(graph, config) if stages is None else check_stages(graph, stages, p * v)
+    placement = stage_ranks(config)  # the executor places stages with the same function
     overrides = {k: Recompute(r) for k, r in (layer_recompute or {}).items()}
     costs: dict[str, LayerCost] = {}
     by_kind: dict[tuple[str, Recompute], LayerCost] = {}  # identical layers share a kind (graph.types)
@@ -91,14 +93,16 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     expert_group = comm.group_placement(config, ("dp", "cp"), cluster.devices_per_node)
     dbytes = dtype_bytes(cluster.dtype)
     for i, names in enumerate(stages):
-        rank = ranks[i % p]
+        rank = ranks[placement[i]]
         _add_stage(rank, [costs[n] for n in names], cluster, config, dense_group, expert_group, dbytes, overlap_dp)
-        if i + 1 < len(stages):  # Narayanan et al. 2021 section 4.1: each tp rank sends 1/t (scatter/gather)
+        # Narayanan et al. 2021 section 4.1: each tp rank sends 1/t (scatter/gather); consecutive stages
+        # on one rank (the V's turn) hand over locally
+        if i + 1 < len(stages) and placement[i + 1] != placement[i]:
             hop = comm.p2p_s(costs[names[-1]].output_bytes, pp_cross, cluster)
             rank.pp += hop
             rank.fwd += hop
-            ranks[(i + 1) % p].pp += hop
-            ranks[(i + 1) % p].bwd += hop
+            ranks[placement[i + 1]].pp += hop
+            ranks[placement[i + 1]].bwd += hop
     pipe = pipeline_time_s(config.schedule, p, v, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
                            [r.weight for r in ranks])
     offsets = [sum(r.bwd for r in ranks[:k]) for k in range(p)]

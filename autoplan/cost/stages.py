@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph, LayerRole
+from autoplan.plan.layout import default_stages
 from autoplan.plan.types import ParallelConfig
 
 
@@ -38,29 +39,16 @@ def check_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig
     return m
 
 
-def balanced_stages(graph: LayerGraph, num_stages: int) -> tuple[tuple[str, ...], ...]:
-    """Default split (Megatron-LM's): blocks divided evenly by count, in order; layers before the first
-    block (embedding) join the first stage, layers after the last block (final norm, head) the last,
-    other layers between blocks follow the block before them. When the count does not divide, the
-    extra blocks go to the middle stages, which carry neither the embedding nor the head."""
-    if num_stages < 1:
-        raise ValueError(f"num_stages must be >= 1, got {num_stages}")
-    block_idx = [i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK]
-    if num_stages > max(len(block_idx), 1):
-        raise ValueError(f"{num_stages} stages but {graph.model_name!r} has {len(block_idx)} blocks")
-    if not block_idx:
-        return (tuple(layer.name for layer in graph.layers),)
-    base, extra = divmod(len(block_idx), num_stages)
-    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 2 else list(range(num_stages))
-    counts = [base] * num_stages
-    for k in order[:extra]:
-        counts[k] += 1
-    cuts, total = [], 0  # index into graph.layers where each stage after the first begins
-    for c in counts[:-1]:
-        total += c
-        cuts.append(block_idx[total])
-    bounds = [0] + cuts + [len(graph.layers)]
-    return tuple(tuple(layer.name for layer in graph.layers[bounds[k]:bounds[k + 1]]) for k in range(num_stages))
+def balanced_stages(graph: LayerGraph, config: ParallelConfig | int) -> tuple[tuple[str, ...], ...]:
+    """The default split of `graph` for `config` (autoplan.plan.layout.default_stages: the executor calls
+    the same function, so the priced split is the split that runs). An int means that many looped
+    stages (pp = count, one chunk per rank)."""
+    if isinstance(config, int):
+        if config < 1:
+            raise ValueError(f"num_stages must be >= 1, got {config}")
+        config = ParallelConfig(pp=config)
+    return default_stages([layer.name for layer in graph.layers],
+                          [layer.role is LayerRole.BLOCK for layer in graph.layers], config)
 
 
 def check_stages(graph: LayerGraph, stages: tuple[tuple[str, ...], ...], num_stages: int) -> tuple[tuple[str, ...], ...]:

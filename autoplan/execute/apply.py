@@ -38,7 +38,7 @@ def plan_stages(model: Transformer, plan: Plan | ParallelConfig) -> tuple[Stage,
     """The plan's pipeline cut, or the blocks split evenly when the plan has none."""
     config = config_of(plan)
     count = num_stages(config)
-    stages = plan.stages if isinstance(plan, Plan) and plan.stages else even_stages(model, count)
+    stages = plan.stages if isinstance(plan, Plan) and plan.stages else even_stages(model, config)
     check_stages(model, stages, count)
     return tuple(sorted(stages, key=lambda s: s.index))
 

@@ -1,9 +1,9 @@
 """Pipeline parallelism with torch.distributed.pipelining: stages cut where the plan cuts them.
 
 A stage is a deep copy of the model with the other blocks deleted (the ModuleDict keeps the names)
-and embed / norm / head set to None where the stage does not hold them. Placement: stage i runs on
-pipeline rank i % pp (looped: GPipe, 1F1B, interleaved 1F1B, interleaved zero bubble), or on rank i
-for i < pp and 2pp-1-i after (V: the zero-bubble V schedule, used for 'zb' with 2 stages per rank).
+and embed / norm / head set to None where the stage does not hold them. Placement and the default split
+come from autoplan.plan.layout (stage_ranks, default_stages), the functions the cost model prices with:
+looped (stage i on rank i % pp) or, for 'zb' with 2 stages per rank, the zero-bubble V.
 Gradients are averaged over microbatches (`scale_grads=True`, recorded in the report).
 """
 
@@ -25,42 +25,27 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from autoplan.models import Transformer
+from autoplan.plan.layout import default_stages, num_stages, rank_stages, uses_v_placement
 from autoplan.plan.types import ParallelConfig, Schedule, Stage
 
 SCALE_GRADS = True  # gradients averaged over microbatches, as the single-device mean loss
 
 
-def num_stages(config: ParallelConfig) -> int:
-    return config.pp * config.virtual_stages
-
-
-def uses_v_placement(config: ParallelConfig) -> bool:
-    return config.schedule is Schedule.ZERO_BUBBLE and config.virtual_stages == 2
-
-
 def local_stage_indices(config: ParallelConfig, pp_rank: int) -> tuple[int, ...]:
-    """The stages pipeline rank `pp_rank` holds, in increasing order."""
-    n, pp = num_stages(config), config.pp
-    if uses_v_placement(config):
-        return (pp_rank, 2 * pp - 1 - pp_rank)
-    return tuple(range(pp_rank, n, pp))
+    """The stages pipeline rank `pp_rank` holds, in increasing order (plan.layout.rank_stages: the cost
+    model places stages with the same function)."""
+    return rank_stages(config, pp_rank)
 
 
-def even_stages(model: Transformer, count: int) -> tuple[Stage, ...]:
-    """Blocks split as evenly as possible (earlier stages take the remainder); embed on the first
-    stage, norm and head on the last."""
-    names = [f"layers.{n}" for n in model.layers]
-    if count > len(names):
-        raise ValueError(f"{count} pipeline stages but the model has only {len(names)} blocks: "
-                         f"use pp * virtual_stages <= {len(names)}")
-    base, extra = divmod(len(names), count)
-    stages, start = [], 0
-    for i in range(count):
-        end = start + base + (1 if i < extra else 0)
-        layer_names = (["embed"] if i == 0 else []) + names[start:end] + (["norm", "head"] if i == count - 1 else [])
-        stages.append(Stage(index=i, layer_names=tuple(layer_names)))
-        start = end
-    return tuple(stages)
+def even_stages(model: Transformer, config: ParallelConfig | int) -> tuple[Stage, ...]:
+    """The default split (plan.layout.default_stages, the one the cost model prices): embed on the first
+    stage, norm and head on the last. An int means that many looped stages."""
+    if isinstance(config, int):
+        config = ParallelConfig(pp=config)
+    blocks = [f"layers.{n}" for n in model.layers]
+    names = ["embed", *blocks, "norm", "head"]
+    split = default_stages(names, [name in set(blocks) for name in names], config)
+    return tuple(Stage(index=i, layer_names=tuple(s)) for i, s in enumerate(split))
 
 
 def _blocks(stage: Stage) -> list[str]:

@@ -1,7 +1,7 @@
 r"""The stage-split and per-layer recompute ILP, solved with scipy.optimize.milp (HiGHS). The only solver user.
 
 Data (stages.StageProblem): runs j = 0..J-1 of N_j identical blocks in model order; recompute options
-r; stages q = 0..S-1 (S = p v) on ranks rho(q) = q mod p; per block time t_jr, static bytes w_j,
+r; stages q = 0..S-1 (S = p v) on ranks rho(q) (StageProblem.stage_rank: q mod p, or a V); per block time t_jr, static bytes w_j,
 activation bytes a_jr; rank rho holds f_rho microbatches of activations; pinned first / last layers
 add (T_F, W_F, A_F) to stage 0 and (T_L, W_L, A_L) to stage S-1; memory limit M.
 
@@ -96,19 +96,23 @@ def _pinned(problem: StageProblem, rank: int) -> tuple[float, float]:
     """(time, bytes) of the pinned first / last layers on this rank."""
     t = m = 0.0
     f = problem.inflight[rank]
-    if rank == 0:
+    if rank == problem.stage_rank[0]:
         t += problem.first_time_s
         m += problem.first_static_bytes + f * problem.first_act_bytes
-    if rank == (problem.num_stages - 1) % problem.num_ranks:
+    if rank == problem.stage_rank[-1]:
         t += problem.last_time_s
         m += problem.last_static_bytes + f * problem.last_act_bytes
     return t, m
 
 
+def _stages_of(problem: StageProblem, rank: int) -> list[int]:
+    return [q for q, r in enumerate(problem.stage_rank) if r == rank]
+
+
 def _add_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> None:
     for rank in range(problem.num_ranks):
         coeffs = {ix.n(q, j, r): problem.time_s[j][r] / scale
-                  for q in range(rank, ix.s, problem.num_ranks) for j in range(ix.j) for r in range(ix.r)}
+                  for q in _stages_of(problem, rank) for j in range(ix.j) for r in range(ix.r)}
         coeffs[ix.t] = -1.0
         m.add(coeffs, -np.inf, -_pinned(problem, rank)[0] / scale)
 
@@ -126,7 +130,7 @@ def _add_memory(m: _Builder, ix: _Index, problem: StageProblem) -> None:
     for rank in range(problem.num_ranks):
         f = problem.inflight[rank]
         coeffs = {ix.n(q, j, r): (problem.static_bytes[j] + f * problem.act_bytes[j][r]) / limit
-                  for q in range(rank, ix.s, problem.num_ranks) for j in range(ix.j) for r in range(ix.r)}
+                  for q in _stages_of(problem, rank) for j in range(ix.j) for r in range(ix.r)}
         m.add(coeffs, -np.inf, 1.0 - _pinned(problem, rank)[1] / limit)
 
 

@@ -12,6 +12,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph, LayerRole
+from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.ilp import solve_ilp
 from autoplan.search.space import SCHEDULES
@@ -74,6 +75,7 @@ def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfi
         static_bytes=tuple(_static_bytes(layer_cost(i, modes[0]), config) for i in run_first),
         act_bytes=tuple(tuple(float(layer_cost(i, mode).act_mem_bytes) for mode in modes) for i in run_first),
         num_ranks=config.pp, virtual_stages=config.virtual_stages, inflight=tuple(float(x) for x in f),
+        stage_rank=stage_ranks(config),
         mem_limit_bytes=float(cluster.device.mem_bytes - cluster.device.runtime_reserve_bytes - work - gathered),
         first_time_s=sum(c.time_s for c in pinned[0]),
         first_static_bytes=sum(_static_bytes(c, config) for c in pinned[0]),
@@ -127,7 +129,7 @@ def _near_ideal(problem: StageProblem, config: ParallelConfig, modes: tuple[Reco
     run_of = {name: j for j, run in enumerate(_runs_of(problem, graph)) for name in run}
     none = modes.index(Recompute.NONE)
     counts = []
-    for stage in cost_model.balanced_stages(graph, problem.num_stages):
+    for stage in cost_model.balanced_stages(graph, config):
         per_run = [[0] * problem.num_options for _ in problem.run_sizes]
         for name in stage:
             if name in blocks:

@@ -139,7 +139,7 @@ def _dedupe(found: list[Candidate]) -> list[Candidate]:
 
 def _to_plan(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, cand: Candidate, *, rank: int,
              cost: Any) -> Plan:
-    stages = cand.stages or tuple(cost.balanced_stages(graph, cand.config.pp * cand.config.virtual_stages))
+    stages = cand.stages or tuple(cost.balanced_stages(graph, cand.config))
     return Plan(config=cand.config, estimate=cand.estimate, model_name=graph.model_name, cluster_name=cluster.name,
                 num_devices=cluster.num_devices, global_batch=options.global_batch, seq_len=graph.seq_len,
                 stages=tuple(Stage(index=i, layer_names=tuple(s)) for i, s in enumerate(stages)),

@@ -20,8 +20,9 @@ Counts = tuple[tuple[tuple[int, ...], ...], ...]  # [stage][run][option] -> numb
 class StageProblem:
     """Per-block figures for one microbatch on one device; options are recompute modes (any order).
 
-    Stage q runs on rank q % num_ranks (looped placement). Rank r holds `inflight[r]` microbatches of
-    activations. `first_*` (embedding, ...) sit on stage 0, `last_*` (norm, head) on stage S - 1."""
+    Stage q runs on rank stage_rank[q] (autoplan.plan.layout.stage_ranks: looped q % num_ranks unless
+    the schedule places its chunks in a V). Rank r holds `inflight[r]` microbatches of activations.
+    `first_*` (embedding, ...) sit on stage 0, `last_*` (norm, head) on stage S - 1."""
 
     run_sizes: tuple[int, ...]
     time_s: tuple[tuple[float, ...], ...]  # [run][option]
@@ -37,8 +38,14 @@ class StageProblem:
     last_time_s: float = 0.0
     last_static_bytes: float = 0.0
     last_act_bytes: float = 0.0
+    stage_rank: tuple[int, ...] = ()  # [stage]; () means looped, q % num_ranks
 
     def __post_init__(self) -> None:
+        if not self.stage_rank:
+            object.__setattr__(self, "stage_rank", tuple(q % self.num_ranks for q in range(self.num_stages)))
+        if len(self.stage_rank) != self.num_stages or not all(0 <= r < self.num_ranks for r in self.stage_rank):
+            raise ValueError(f"stage_rank {self.stage_rank} must give a rank in [0, {self.num_ranks}) for each "
+                             f"of the {self.num_stages} stages")
         if not self.inflight:
             object.__setattr__(self, "inflight", (1.0,) * self.num_ranks)
         if len(self.inflight) != self.num_ranks:
@@ -83,12 +90,12 @@ def evaluate(problem: StageProblem, counts: Counts, method: str = "") -> StageSo
     st = np.asarray(problem.static_bytes)
     times, mems = np.zeros(p), np.zeros(p)
     for q in range(s_total):
-        r = q % p
+        r = problem.stage_rank[q]
         times[r] += (arr[q] * t).sum()
         mems[r] += (arr[q].sum(axis=1) * st).sum() + problem.inflight[r] * (arr[q] * a).sum()
     times[0] += problem.first_time_s
     mems[0] += problem.first_static_bytes + problem.inflight[0] * problem.first_act_bytes
-    last = (s_total - 1) % p
+    last = problem.stage_rank[s_total - 1]
     times[last] += problem.last_time_s
     mems[last] += problem.last_static_bytes + problem.inflight[last] * problem.last_act_bytes
     return StageSolution(counts=tuple(tuple(tuple(int(x) for x in run) for run in st_) for st_ in arr.tolist()),
@@ -167,7 +174,7 @@ def solve_dp(problem: StageProblem) -> StageSolution | None:
     best[0][0] = 0.0
     cache: dict = {}
     for q in range(s_total):
-        rank = q % p
+        rank = problem.stage_rank[q]
         first, last = q == 0, q == s_total - 1
         fixed_t = problem.first_time_s * first + problem.last_time_s * last
         fixed_m = (problem.first_static_bytes + problem.inflight[rank] * problem.first_act_bytes) * first + (

@@ -16,6 +16,7 @@ import numpy as np
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost.estimate import GRAD_REDUCE_BYTES
 from autoplan.graph.types import LayerGraph, LayerRole
+from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
@@ -147,21 +148,38 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                "work": table[:, :, FIELDS.index("work")].max(axis=1),
                "max_params": table[:, :, FIELDS.index("params")].max(axis=1)}
     cum = np.concatenate([np.zeros((table.shape[0], 1, table.shape[2])), np.cumsum(table, axis=1)], axis=1)
-    for pp, v in sorted(set(zip(c["pp"].tolist(), c["virtual_stages"].tolist()))):
-        idx = np.nonzero((c["pp"] == pp) & (c["virtual_stages"] == v))[0]
-        stages = cost.balanced_stages(graph, pp * v)
+    v_shape = ((c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE)) & (c["virtual_stages"] == 2)).astype(int)
+    for pp, v, vee in sorted(set(zip(c["pp"].tolist(), c["virtual_stages"].tolist(), v_shape.tolist()))):
+        idx = np.nonzero((c["pp"] == pp) & (c["virtual_stages"] == v) & (v_shape == vee))[0]
+        config = space.config(int(idx[0]))  # the schedule decides the placement (plan.layout.stage_ranks)
+        stages = cost.balanced_stages(graph, config)
         bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
-        layers_per_rank = np.diff(bounds).reshape(v, pp).sum(axis=0)
+        placement = np.zeros((pp * v, pp))
+        placement[np.arange(pp * v), stage_ranks(config)] = 1.0  # [stage, rank]
+        layers_per_rank = np.diff(bounds) @ placement
+        hops_per_rank = _hops(stage_ranks(config), pp)
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
         sub = cum[keys]
         per_stage = sub[:, bounds[1:]] - sub[:, bounds[:-1]]  # [keys, S, F]
-        per_rank = per_stage.reshape(len(keys), v, pp, len(FIELDS)).sum(axis=1)[inverse.reshape(-1)]
+        per_rank = np.einsum("ksf,sr->krf", per_stage, placement)[inverse.reshape(-1)]
         cols = {k: col[idx] for k, col in c.items()}
         extra = {k: val[key_of[idx]] for k, val in per_key.items()}
         sel = {k: (a[idx], b[idx]) for k, (a, b) in lines.items()}
+        extra["hops"] = np.broadcast_to(hops_per_rank, (len(idx), pp))
         step[idx], peak[idx], act_out[idx] = _assemble(per_rank, layers_per_rank, extra, sel, cols, pp, v,
                                                        global_batch, cluster)
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
+
+
+def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
+    """Point-to-point transfers per microbatch on each rank: one per cut between stages on different
+    ranks, counted on both sides (the sender's forward, the receiver's backward), as estimate_config."""
+    out = np.zeros(pp)
+    for a, b in zip(placement[:-1], placement[1:]):
+        if a != b:
+            out[a] += 1.0
+            out[b] += 1.0
+    return out
 
 
 def _assemble(per_rank: np.ndarray, layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
@@ -173,8 +191,9 @@ def _assemble(per_rank: np.ndarray, layers_per_rank: np.ndarray, extra: dict[str
     z = c["zero"][:, None]
     n_layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
-    # pipeline cuts: each rank sends forward and receives backward about v times per microbatch
-    hops = (2.0 * v * _t(lines["p2p"], extra["out_bytes"]))[:, None] if pp > 1 else 0.0
+    # pipeline cuts: a rank sends its activation forward at each cut after its stages and its gradient
+    # back at each cut before them (hops per rank from the placement; none inside a rank)
+    hops = extra["hops"] * _t(lines["p2p"], extra["out_bytes"])[:, None] if pp > 1 else 0.0
     # ZeRO: 16-bit weight gathers and gradient reduce-scatters, prefetched / bucketed on a second stream;
     # what the layers' compute does not hide is exposed (cost.overlap.exposed_s, closed form for equal
     # layers: the uncovered excess plus one layer's collective)
