@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from autoplan.plan.types import ParallelConfig, Schedule
 
-
 # --- pipeline placement -------------------------------------------------------------------------------
 
 def uses_v_placement(config: ParallelConfig) -> bool:

@@ -167,7 +167,7 @@ def solve_dp(problem: StageProblem) -> StageSolution | None:
     a stage's cost is its exact fastest recompute mix under the rank's memory (_segment_cost). With
     v > 1 a rank's memory is shared by its v chunks: each chunk gets 1/v of it (a restriction, so the
     answer is feasible but may be slower than the ILP's)."""
-    n, s_total, p = sum(problem.run_sizes), problem.num_stages, problem.num_ranks
+    n, s_total = sum(problem.run_sizes), problem.num_stages
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(s_total + 1)]
     back: list[list[tuple[int, tuple]]] = [[(0, ())] * (n + 1) for _ in range(s_total + 1)]

@@ -8,6 +8,7 @@ here: search.py re-estimates the shortlist with `estimate_config`.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,7 +176,7 @@ def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
     """Point-to-point transfers per microbatch on each rank: one per cut between stages on different
     ranks, counted on both sides (the sender's forward, the receiver's backward), as estimate_config."""
     out = np.zeros(pp)
-    for a, b in zip(placement[:-1], placement[1:]):
+    for a, b in itertools.pairwise(placement):
         if a != b:
             out[a] += 1.0
             out[b] += 1.0
