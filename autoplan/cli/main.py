@@ -11,7 +11,8 @@ import importlib
 import sys
 
 # subcommand modules, each owning its flags
-_COMMAND_MODULES = ("autoplan.cli.plan", "autoplan.cli.run", "autoplan.cli.profile")
+_COMMAND_MODULES = ("autoplan.cli.plan", "autoplan.cli.run", "autoplan.cli.profile", "autoplan.cli.validate",
+                    "autoplan.cli.calibrate", "autoplan.cli.timeline")
 
 
 def build_parser() -> argparse.ArgumentParser:

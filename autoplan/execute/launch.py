@@ -155,10 +155,11 @@ def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: str, *, s
             seq_len: int | None = None, report: str | Path | None = None, save_every: int = 0,
             checkpoint_dir: str | None = None, resume: str | None = None, timeout_s: float = 300.0,
             launcher_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-            out: TextIO | None = None, data: str | Path | None = None) -> dict[str, Any]:
+            out: TextIO | None = None, data: str | Path | None = None, trace: bool = False) -> dict[str, Any]:
     """Train `model` (a preset name) under a plan, config or plan JSON path on torchrun-launched ranks;
     returns the run report (also written to `report` when given). Raises RunFailed if a rank fails.
-    `data`: a token file (.npy, .bin uint16, .pt) to train on instead of synthetic tokens."""
+    `data`: a token file (.npy, .bin uint16, .pt) to train on instead of synthetic tokens; `trace`: record
+    the last step's pipeline actions per rank in the report's "timeline" (execute.trace)."""
     if not isinstance(model, str):
         raise ValueError(f"model must be a preset name (see `autoplan models`), got {type(model).__name__}")
     with tempfile.TemporaryDirectory(prefix="autoplan-run-") as run_dir:
@@ -177,6 +178,7 @@ def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: str, *, s
                 "--save-every", str(save_every)]
         args += ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
         args += ["--resume", resume] if resume else []
+        args += ["--trace"] if trace else []
         if data:
             if not Path(data).is_file():
                 raise FileNotFoundError(f"data file {str(data)!r} does not exist")

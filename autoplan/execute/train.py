@@ -39,6 +39,7 @@ from autoplan.execute.pipeline import (
     local_stage_indices,
 )
 from autoplan.execute.recompute import original_fqn
+from autoplan.execute.trace import ActionTrace
 from autoplan.models import Transformer, preset
 from autoplan.plan.types import ParallelConfig, Plan
 
@@ -57,6 +58,7 @@ class TrainOptions:
     checkpoint_dir: str | None = None
     resume: str | None = None  # a checkpoint directory to start from
     data: str | None = None  # a token file (see load_tokens); None: synthetic uniform tokens
+    trace: bool = False  # record the pipeline's action timestamps (execute.trace) into TrainResult.actions
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -76,6 +78,7 @@ class TrainResult:
     peak_mem_bytes: int
     start_step: int = 0
     parts: list[nn.Module] = field(default_factory=list, repr=False)
+    actions: list[list[Any]] = field(default_factory=list)  # the last step's, with options.trace
 
 
 def build_model(model_name: str, seed: int) -> Transformer:
@@ -174,6 +177,7 @@ class _Job:
     optimizers: list[torch.optim.Optimizer]
     schedule: Any
     device: torch.device
+    trace: ActionTrace | None = None
 
 
 def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
@@ -194,7 +198,10 @@ def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, 
         schedule = build_schedule(parts, indices, config, pp_group=meshes.pp.get_group(), device=device,
                                   num_microbatches=config.num_microbatches(options.global_batch),
                                   loss_fn=cross_entropy)
-    return _Job(config, meshes, parts, indices, optimizers, schedule, device)
+    trace = ActionTrace() if options.trace and schedule is not None else None
+    if trace is not None:
+        trace.instrument(schedule)
+    return _Job(config, meshes, parts, indices, optimizers, schedule, device, trace)
 
 
 def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int) -> float | None:
@@ -257,7 +264,7 @@ def train(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, *
         if options.save_every and (step + 1) % options.save_every == 0:
             _save(job, options, step + 1)
     return TrainResult(losses=losses, step_times_s=times, peak_mem_bytes=peak_memory_bytes(device),
-                       start_step=start, parts=job.parts)
+                       start_step=start, parts=job.parts, actions=job.trace.last_step() if job.trace else [])
 
 
 def _save(job: _Job, options: TrainOptions, step: int) -> None:
