@@ -30,6 +30,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--seq-len", dest="seq_len", type=int, default=32)
     p.add_argument("--seed", type=int, default=0, help="model / data seed, and the order plans run in")
     p.add_argument("--timeout-s", dest="timeout_s", type=float, default=300.0, help="per-run timeout")
+    p.add_argument("--quiet-cores", dest="quiet_cores", type=float, default=None, metavar="X",
+                   help="before each run, wait until other processes use at most X cores; repeat a run "
+                        "they disturbed (used over 2X cores) up to --retries times")
+    p.add_argument("--max-wait-s", dest="max_wait_s", type=float, default=120.0, help="longest wait for quiet")
+    p.add_argument("--retries", type=int, default=2, help="repeats of a disturbed run (with --quiet-cores)")
     p.add_argument("--json", metavar="FILE", help='write {"plans": [...], "spearman", "mape", ...}')
     p.add_argument("--plot", metavar="FILE.png", help="write the predicted-vs-measured scatter")
     p.set_defaults(func=cmd_validate)
@@ -69,7 +74,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                               num_plans=args.plans, num_top=args.top))
     random.Random(args.seed).shuffle(plans)  # so drifting machine load does not follow predicted order
     entries = validate_plans(plans, args.model, steps=args.steps, timeout_s=args.timeout_s, seed=args.seed,
-                             progress=lambda line: print(line, flush=True))
+                             progress=lambda line: print(line, flush=True), quiet_cores=args.quiet_cores,
+                             max_wait_s=args.max_wait_s, retries=args.retries)
     entries.sort(key=lambda e: e["predicted_step_time_s"])
     result = {"model": args.model, "cluster": cluster.name, "profile": cluster.source,
               "nproc_per_node": args.nproc_per_node, "global_batch": args.global_batch, "seq_len": args.seq_len,

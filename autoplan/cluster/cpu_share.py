@@ -1,5 +1,5 @@
-"""Ranks that share a CPU's cores: a profile measured with D ranks on C cores (top-level field
-`cpu_cores: C`, figures per rank at devices_per_node = D) loaded for N ranks.
+"""Ranks that share a CPU's cores: a profile measured with D ranks on C cores (field
+`device.cpu_cores: C`, figures per rank at devices_per_node = D) loaded for N ranks.
 
 Processor sharing: each rank process gets share(N) = min(1, C / N) of a core (one thread per rank, as
 torchrun and the profiler set OMP_NUM_THREADS=1). Measured on this kind of machine (2 cores): one or two
@@ -34,16 +34,16 @@ def rescale(data: Mapping[str, Any], ranks: int, path: str) -> dict[str, Any]:
     """The profile mapping for `ranks` ranks per node; unchanged without `cpu_cores` or at the
     profile's own devices_per_node."""
     out = copy.deepcopy(dict(data))
-    cores = out.get("cpu_cores")
+    device = out.get("device")
+    cores = device.get("cpu_cores") if isinstance(device, dict) else None
     measured_at = out.get("devices_per_node")
-    if cores is None or ranks == measured_at:
+    if not cores or ranks == measured_at:
         return out
-    if isinstance(cores, bool) or not isinstance(cores, (int, float)) or cores <= 0:
-        raise ValueError(f"{path}: field 'cpu_cores' must be a positive number, got {cores!r}")
+    if isinstance(cores, bool) or not isinstance(cores, (int, float)) or cores < 0:
+        return out  # parse_profile reports the bad value
     if isinstance(measured_at, bool) or not isinstance(measured_at, int) or measured_at < 1:
         return out  # parse_profile reports the bad devices_per_node
     f = share(cores, ranks) / share(cores, measured_at)
-    device = out.get("device")
     if isinstance(device, dict):
         if isinstance(device.get("peak_flops"), dict):
             device["peak_flops"] = {k: _times(v, f) for k, v in device["peak_flops"].items()}

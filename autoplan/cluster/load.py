@@ -3,8 +3,9 @@ render a ClusterSpec back into the same format (the profiler writes it).
 
 Format (schema_version 1): units are FLOP/s, bytes, bytes/s and seconds; every number may carry its
 source in a comment. Top level: schema_version, name, devices_per_node, device, intra_node, inter_node;
-optional description, dtype, notes, measured (raw profiler medians, free-form), cpu_cores (ranks share
-that many CPU cores: loading for another rank count rescales the per-rank figures, see cpu_share.py).
+optional description, dtype, notes, measured (raw profiler medians, free-form). A CPU profile's
+device.cpu_cores (the cores its ranks share) makes loading for another rank count rescale the per-rank
+figures (cpu_share.py).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from autoplan.cluster.types import ClusterSpec, DeviceSpec, LinkSpec
 SCHEMA_VERSION = 1
 DTYPES = ("bf16", "fp16", "tf32", "fp32")
 _TOP_REQUIRED = ("schema_version", "name", "devices_per_node", "device", "intra_node", "inter_node")
-_TOP_OPTIONAL = ("description", "dtype", "notes", "measured", "cpu_cores")
+_TOP_OPTIONAL = ("description", "dtype", "notes", "measured")
 _FRACTIONS = frozenset(
     {
         "matmul_efficiency",

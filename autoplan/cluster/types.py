@@ -27,6 +27,10 @@ class DeviceSpec:
     # host time to issue one framework op (Python + dispatcher + kernel launch); a layer whose ops take
     # longer to issue than to run leaves the device idle. 0 = never host-bound (added by the cost model)
     op_overhead_s: float = 0.0
+    # CPU profiles: the cores the devices_per_node rank processes of a node share (0: each device computes
+    # on its own). Loading for another rank count rescales the per-rank figures (cluster/cpu_share.py);
+    # the cost model lets idle pipeline ranks free their share (cost/timeline.shared_cores_makespan)
+    cpu_cores: float = 0.0
 
     def peak(self, dtype: str = "bf16") -> float:
         table = dict(self.peak_flops)

@@ -16,6 +16,7 @@ from autoplan.cost.memory import WEIGHT_BYTES_PER_PARAM, model_state_bytes
 from autoplan.cost.overlap import exposed_s
 from autoplan.cost.pipeline import in_flight_microbatches, pipeline_time_s
 from autoplan.cost.stages import balanced_stages, check_config, check_stages
+from autoplan.cost.timeline import shared_cores_pipeline_time_s
 from autoplan.cost.types import LayerCost
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.layout import stage_ranks
@@ -105,6 +106,10 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
             ranks[placement[i + 1]].bwd += hop
     pipe = pipeline_time_s(config.schedule, p, v, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
                            [r.weight for r in ranks])
+    if cluster.device.cpu_cores and p > 1:  # CPU ranks sharing cores: a waiting pipeline rank frees its share
+        pipe = shared_cores_pipeline_time_s(config, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
+                                            [r.weight for r in ranks], cores=cluster.device.cpu_cores,
+                                            ranks=cluster.devices_per_node)
     offsets = [sum(r.bwd for r in ranks[:k]) for k in range(p)]
     dp_tail = max(0.0, max(r.dp_tail - off for r, off in zip(ranks, offsets)))
     param_gather = max(_param_gather_s(r, cluster, config, dense_group, expert_group, dbytes) for r in ranks)

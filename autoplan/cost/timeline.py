@@ -268,3 +268,57 @@ def timeline_of(graph: LayerGraph, cluster: ClusterSpec, plan: Plan) -> tuple[tu
     m = plan.config.num_microbatches(plan.global_batch)
     actions = simulate(plan.config, m, stage_times(graph, cluster, plan))
     return actions, max(plan.estimate.step_time_s - makespan(actions), 0.0)
+
+
+def shared_cores_makespan(config: ParallelConfig, m: int, times: StageTimes, *, cores: float,
+                          ranks: int) -> float:
+    """The schedule's time when `ranks` single-threaded rank processes share `cores` CPU cores and a
+    rank waiting for its input uses none (gloo blocks in its wait: measured here, a rank waiting 2 s in
+    recv used 4 ms of CPU). `times` are at the all-busy share min(1, cores / ranks) of a core; the
+    ranks / pp pipeline replicas run in step. Processor sharing (a fluid model): each running action
+    progresses at min(1, cores / (running ranks of a pipeline x replicas)) of a core, so a pipeline's
+    fill and drain, when few ranks work, run faster than its steady state."""
+    full = min(1.0, cores / ranks)  # the share the given times were measured at
+    replicas = max(1, ranks // config.pp)
+    placement, n = stage_ranks(config), config.pp * config.virtual_stages
+    orders = rank_orders(config, m)
+    pos, left = [0] * config.pp, [0.0] * config.pp
+    running: set[int] = set()
+    done: set[tuple[str, int, int]] = set()
+    t = 0.0
+    while True:
+        for r, order in orders.items():
+            if r not in running and pos[r] < len(order):
+                kind, s, j = order[pos[r]]
+                if all(d in done for d in _inputs(kind, s, j, n - 1)):
+                    left[r] = (_duration(kind, s, times) + _hop(kind, s, r, placement, times)) * full
+                    running.add(r)
+        if not running:
+            break
+        rate = min(1.0, cores / (len(running) * replicas))
+        dt = min(left[r] for r in running) / rate
+        t += dt
+        for r in sorted(running):
+            left[r] -= dt * rate
+            if left[r] <= 1e-15:
+                kind, s, j = orders[r][pos[r]]
+                done.add(_key(kind, s, j))
+                pos[r] += 1
+                running.discard(r)
+    if any(pos[r] < len(orders[r]) for r in orders):
+        raise ValueError(f"schedule {config.schedule.value} deadlocks in the simulation (an order bug)")
+    return t
+
+
+def shared_cores_pipeline_time_s(config: ParallelConfig, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float],
+                                 weight_s: Sequence[float], *, cores: float, ranks: int) -> float:
+    """pipeline_time_s for CPU ranks sharing `cores` cores (shared_cores_makespan), from per pipeline
+    rank times (a rank's chunks summed, sends included, split evenly over its chunks), at least the
+    slowest rank's m microbatches at the all-busy share: the steady state runs every rank."""
+    placement = stage_ranks(config)
+    per = [placement.count(r) for r in range(config.pp)]
+    times = StageTimes(fwd_s=tuple(fwd_s[r] / per[r] for r in placement),
+                       bwd_s=tuple(bwd_s[r] / per[r] for r in placement),
+                       weight_s=tuple(weight_s[r] / per[r] for r in placement), hop_s=(0.0,) * len(placement))
+    slowest = max(f + b for f, b in zip(fwd_s, bwd_s))
+    return max(shared_cores_makespan(config, m, times, cores=cores, ranks=ranks), m * slowest)

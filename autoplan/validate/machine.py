@@ -54,3 +54,20 @@ class CpuMeter:
         if busy is None or self.busy is None or wall <= 0:
             return None
         return max(0.0, (busy - self.busy - (_own_s() - self.own)) / wall)
+
+
+def other_cores_now(window_s: float = 2.0) -> float | None:
+    """Cores other processes keep busy, averaged over the next `window_s` seconds."""
+    meter = CpuMeter().start()
+    time.sleep(window_s)
+    return meter.other_cores()
+
+
+def wait_quiet(max_cores: float, *, timeout_s: float, window_s: float = 2.0) -> float | None:
+    """Wait until other processes use at most `max_cores` cores (over a `window_s` window) or until
+    `timeout_s` passes; the last figure measured (None where it cannot be measured)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        cores = other_cores_now(window_s)
+        if cores is None or cores <= max_cores or time.monotonic() >= deadline:
+            return cores

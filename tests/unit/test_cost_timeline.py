@@ -11,7 +11,14 @@ import pytest
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from autoplan.cost.pipeline import pipeline_time_s
-from autoplan.cost.timeline import StageTimes, makespan, rank_orders, simulate
+from autoplan.cost.timeline import (
+    StageTimes,
+    makespan,
+    rank_orders,
+    shared_cores_makespan,
+    shared_cores_pipeline_time_s,
+    simulate,
+)
 from autoplan.plan.types import ParallelConfig
 
 F, B, W = 1.0, 2.0, 0.7
@@ -101,3 +108,26 @@ def test_orders_are_torchs(cls: type, schedule: str, v: int) -> None:
 def test_wrong_stage_count_is_refused() -> None:
     with pytest.raises(ValueError, match="one per stage"):
         simulate(ParallelConfig(pp=2), 2, _uniform(3, 1))
+
+
+def test_shared_cores_by_hand() -> None:
+    # 8 ranks on 2 cores, pp4 with m=1: the two pipelines (dp2) each run one action at a time, so each
+    # running rank gets a whole core: the all-busy times (share 1/4) run 4x faster, T = 4 (F + B) / 4
+    config = ParallelConfig(pp=4, dp=2)
+    t = _uniform(4, 1)
+    assert math.isclose(shared_cores_makespan(config, 1, t, cores=2, ranks=8), 4 * (F + B) / 4)
+    # as many cores as ranks: nothing is shared, the plain simulation
+    for m in (1, 4, 8):
+        assert math.isclose(shared_cores_makespan(config, m, t, cores=8, ranks=8), makespan(simulate(config, m, t)))
+
+
+@pytest.mark.parametrize("schedule,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 2)])
+def test_shared_cores_between_the_work_bound_and_the_unshared_schedule(schedule: str, v: int) -> None:
+    config = ParallelConfig(pp=4, schedule=schedule, virtual_stages=v)
+    t = _uniform(4 * v, v)
+    for m in (4, 8):
+        shared = shared_cores_makespan(config, m, t, cores=2, ranks=4)
+        # every rank's m (F + B) at the all-busy share must run; the bubble can only get cheaper
+        assert m * (F + B) - 1e-9 <= shared <= makespan(simulate(config, m, t)) + 1e-9
+        assert math.isclose(shared_cores_pipeline_time_s(config, m, [F] * 4, [B] * 4, [W] * 4, cores=2, ranks=4),
+                            max(shared, m * (F + B)))

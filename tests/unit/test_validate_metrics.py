@@ -51,7 +51,7 @@ def test_spread_takes_the_top_then_spaced_times_preferring_new_meshes() -> None:
 
 def test_cpu_profile_rescales_per_rank_figures_by_the_core_share() -> None:
     data = yaml.safe_load(Cluster.path("local-cpu").read_text())
-    data["cpu_cores"], data["devices_per_node"] = 2, 8
+    data["device"]["cpu_cores"], data["devices_per_node"] = 2, 8
     four = rescale(data, 4, "x")
     assert share(2, 8) == 0.25 and share(2, 1) == 1.0
     dev, dev4 = data["device"], four["device"]
