@@ -15,13 +15,14 @@ from typing import Any
 
 
 def register(subparsers: Any) -> None:
+    from autoplan.cluster.calibrate import DEFAULT_FIELDS
+
     p = subparsers.add_parser("calibrate", help="fit a profile's efficiencies and overheads to measured runs")
     p.add_argument("runs", nargs="+", metavar="RUNS.json", help="`autoplan validate --json` files")
     p.add_argument("--cluster", default=None, help="profile to start from (default: the one the runs used)")
     p.add_argument("--out", required=True, metavar="FILE.yaml", help="fitted profile to write")
     p.add_argument("--fields", default=None, help="comma-separated profile fields to fit (default: "
-                                                  "device.matmul_efficiency, device.op_overhead_s, "
-                                                  "intra_node.latency_s, .allreduce_busbw_fraction, .p2p_bw_fraction)")
+                                                  + ", ".join(DEFAULT_FIELDS) + ")")
     p.add_argument("--held-out", dest="held_out", type=float, default=0.3,
                    help="fraction of the runs the fit does not see, to measure its error on (default 0.3)")
     p.add_argument("--seed", type=int, default=0, help="which runs are held out")

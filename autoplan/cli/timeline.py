@@ -65,6 +65,8 @@ def cmd_timeline(args: argparse.Namespace) -> int:
     if not args.out.endswith(".png"):
         raise ValueError(f"-o writes a PNG: give a file name ending in .png, got {args.out!r}")
     plan = load_plan(args.plan)
+    if args.report and plan.config.pp == 1:
+        raise ValueError("the plan has no pipeline (pp=1), so its run records no per-stage actions: drop --report")
     report = json.loads(Path(args.report).read_text()) if args.report else None
     cluster = _cluster(args.cluster or plan.cluster_name, plan.num_devices)
     graph = model_graph(args.model or plan.model_name, plan.seq_len)

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 # fields fitted by default: what a CPU run's step time is most sensitive to
-DEFAULT_FIELDS = ("device.matmul_efficiency", "device.op_overhead_s", "intra_node.latency_s",
-                  "intra_node.allreduce_busbw_fraction", "intra_node.p2p_bw_fraction")
+DEFAULT_FIELDS = ("device.matmul_efficiency", "device.op_overhead_s", "device.tp_op_overhead_s",
+                  "intra_node.latency_s", "intra_node.allreduce_busbw_fraction", "intra_node.p2p_bw_fraction")
 _FRACTION_BOUNDS = (1e-3, 1.0)
 _OTHER_BOUNDS = (1e-3, 1e3)  # x the starting value
 
@@ -170,6 +170,10 @@ def calibrate(runs: Sequence[Run], profile: Mapping[str, Any], path: str, *, fie
     """Fit `fields` on the training split of `runs`; report the MAPE before and after on both splits."""
     fields = tuple(fields)
     start = np.array([get_field(profile, f) for f in fields])
+    for field, value in zip(fields, start):
+        if value <= 0:
+            raise ValueError(f"{field} is {value} in the starting profile: the fit searches around a positive "
+                             f"value, so set a measured (or rough) one first")
     lower, upper = (np.array(b) for b in zip(*(bounds(f, s) for f, s in zip(fields, start))))
     train, held = split(len(runs), held_out_fraction, seed)
     measured = np.array([r.measured_s for r in runs])

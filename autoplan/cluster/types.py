@@ -27,6 +27,9 @@ class DeviceSpec:
     # host time to issue one framework op (Python + dispatcher + kernel launch); a layer whose ops take
     # longer to issue than to run leaves the device idle. 0 = never host-bound (added by the cost model)
     op_overhead_s: float = 0.0
+    # extra host time per op of a tensor-parallel layer (tp > 1): the executor's DTensor dispatch
+    # (sharding propagation, redistribution) in front of each op. 0 = none (added by the cost model)
+    tp_op_overhead_s: float = 0.0
     # CPU profiles: the cores the devices_per_node rank processes of a node share (0: each device computes
     # on its own). Loading for another rank count rescales the per-rank figures (cluster/cpu_share.py);
     # the cost model lets idle pipeline ranks free their share (cost/timeline.shared_cores_makespan)

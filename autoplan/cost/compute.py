@@ -181,7 +181,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     Host-bound floor: kernels are issued asynchronously, so a phase takes max(device time, host time)
     with host time = the layer's forward op count (Layer.num_nodes) x device.op_overhead_s, twice that
     for the backward (about two ops per forward op: input and weight gradients), once more for a
-    fully recomputed forward. Small layers at small microbatches are bound by it.
+    fully recomputed forward; under tp > 1 each op also pays device.tp_op_overhead_s (DTensor
+    dispatch). Small layers at small microbatches are bound by it. On a CPU (device.cpu_cores > 0) the
+    rank's own thread issues and runs each op, so host and compute times add instead.
 
     Block matmuls are timed per pass on the roofline (gemm_pass_s), with T tokens on this device:
     forward Y = X W ([T x k] @ [k x n]), input gradient dX = dY W^T ([T x n] @ [n x k]) and weight
@@ -235,7 +237,11 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         rec = fwd
     else:
         rec = attention_fwd
-    host = getattr(layer, "num_nodes", 0) * device.op_overhead_s
+    host = getattr(layer, "num_nodes", 0) * (device.op_overhead_s + (device.tp_op_overhead_s if t > 1 else 0.0))
+    if device.cpu_cores:  # a CPU rank's one thread issues an op, then computes it: host time adds up
+        return ComputeTimes(fwd_s=fwd + host, bwd_s=bwd + 2.0 * host, bwd_weight_s=dw_s,
+                            recompute_s=rec + host if recompute is Recompute.FULL and rec else rec,
+                            attention_fwd_s=attention_fwd)
     return ComputeTimes(fwd_s=max(fwd, host), bwd_s=max(bwd, 2.0 * host), bwd_weight_s=dw_s,
                         recompute_s=max(rec, host) if recompute is Recompute.FULL and rec else rec,
                         attention_fwd_s=attention_fwd)

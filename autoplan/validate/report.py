@@ -16,17 +16,20 @@ def _ratio(e: dict[str, Any]) -> str:
 
 def rows(result: dict[str, Any]) -> list[list[str]]:
     """One row per plan, fastest predicted first: plan, predicted s, measured s, measured/predicted,
-    predicted MiB, measured MiB (or the error)."""
+    predicted MiB, measured MiB (or the error), and the cores other processes used during the run."""
     out = []
     for e in sorted(result["plans"], key=lambda e: e["predicted_step_time_s"]):
         meas = e.get("measured_step_time_s")
         mem = e.get("measured_peak_mem_bytes")
+        others = e.get("other_cpu_cores")
         out.append([e["label"], f"{e['predicted_step_time_s']:.4f}", f"{meas:.4f}" if meas else "FAILED",
-                    _ratio(e), f"{e['predicted_peak_mem_bytes'] / MIB:.0f}", f"{mem / MIB:.0f}" if mem else "-"])
+                    _ratio(e), f"{e['predicted_peak_mem_bytes'] / MIB:.0f}", f"{mem / MIB:.0f}" if mem else "-",
+                    "-" if others is None else f"{others:.2f}"])
     return out
 
 
-HEADER = ["plan", "predicted s", "measured s", "measured / predicted", "predicted peak MiB", "measured peak MiB"]
+HEADER = ["plan", "predicted s", "measured s", "measured / predicted", "predicted peak MiB", "measured peak MiB",
+          "other processes' cores"]
 
 
 def table(result: dict[str, Any]) -> Any:
