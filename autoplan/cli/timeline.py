@@ -53,6 +53,13 @@ def _measured(report: dict[str, Any], plan: Any) -> dict[int, list]:
         pp_rank = placement[actions[0][1]] if actions else None
         if pp_rank is not None and pp_rank not in rows:
             rows[pp_rank] = [(k, a, b, f"{k}{j}") for k, _, j, a, b in actions]
+    # the last step's time (rank 0, from just before its schedule started) past the schedule's last action:
+    # the optimizer step and the loss all-reduce
+    end = report["step_times_s"][-1]
+    for boxes in rows.values():
+        last = max(b for _, _, b, _ in boxes)
+        if end > last:
+            boxes.append(("T", last, end, ""))
     return rows
 
 

@@ -73,24 +73,31 @@ def cmd_validate(args: argparse.Namespace) -> int:
     plans = list(select_plans(args.model, cluster, global_batch=args.global_batch, seq_len=args.seq_len,
                               num_plans=args.plans, num_top=args.top))
     random.Random(args.seed).shuffle(plans)  # so drifting machine load does not follow predicted order
+    head = {"model": args.model, "cluster": cluster.name, "profile": cluster.source,
+            "nproc_per_node": args.nproc_per_node, "global_batch": args.global_batch, "seq_len": args.seq_len,
+            "steps": args.steps, "seed": args.seed, "load_1min_start": load}
+
+    def result_of(entries: list[dict[str, Any]]) -> dict[str, Any]:
+        done = sorted(entries, key=lambda e: e["predicted_step_time_s"])
+        return {**head, "load_1min_end": load_1min(), "plans": done, **summarize(done)}
+
+    def save(entries: list[dict[str, Any]]) -> None:
+        if args.json:  # after every plan, so a long validation keeps what it measured
+            Path(args.json).write_text(json.dumps(result_of(entries), indent=1) + "\n")
+
     entries = validate_plans(plans, args.model, steps=args.steps, timeout_s=args.timeout_s, seed=args.seed,
                              progress=lambda line: print(line, flush=True), quiet_cores=args.quiet_cores,
-                             max_wait_s=args.max_wait_s, retries=args.retries)
-    entries.sort(key=lambda e: e["predicted_step_time_s"])
-    result = {"model": args.model, "cluster": cluster.name, "profile": cluster.source,
-              "nproc_per_node": args.nproc_per_node, "global_batch": args.global_batch, "seq_len": args.seq_len,
-              "steps": args.steps, "seed": args.seed, "load_1min_start": load, "load_1min_end": load_1min(),
-              "plans": entries, **summarize(entries)}
+                             max_wait_s=args.max_wait_s, retries=args.retries, on_entry=save)
+    result = result_of(entries)
     _print_table(result)
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
         print(f"wrote {args.json}")
     if args.plot:
         from autoplan.validate.plots import scatter
 
         scatter(entries, args.plot, title=_title(result))
         print(f"wrote {args.plot}")
-    failed = [e for e in entries if e.get("error")]
+    failed = [e for e in result["plans"] if e.get("error")]
     return 1 if failed else 0
 
 

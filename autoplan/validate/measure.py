@@ -94,10 +94,12 @@ def summarize(entries: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def validate_plans(plans: Sequence[Plan], model: str, *, steps: int, timeout_s: float = 300.0, seed: int = 0,
                    progress: Callable[[str], None] = print, quiet_cores: float | None = None,
-                   max_wait_s: float = 120.0, retries: int = 0) -> list[dict[str, Any]]:
+                   max_wait_s: float = 120.0, retries: int = 0,
+                   on_entry: Callable[[list[dict[str, Any]]], None] | None = None) -> list[dict[str, Any]]:
     """Run every plan in turn, reporting progress one line per plan. With `quiet_cores`, each run waits
     (up to max_wait_s) until other processes use at most that many cores, and a run during which they
-    used more is repeated up to `retries` times, keeping the run they disturbed least."""
+    used more is repeated up to `retries` times, keeping the run they disturbed least. `on_entry` sees
+    the entries so far after each plan (to save partial results)."""
     entries = []
     for i, plan in enumerate(plans, 1):
         progress(f"[{i}/{len(plans)}] {describe(plan.config)}: predicted {plan.estimate.step_time_s:.4f} s, "
@@ -112,4 +114,6 @@ def validate_plans(plans: Sequence[Plan], model: str, *, steps: int, timeout_s: 
                      f"peak {entry['measured_peak_mem_bytes'] / 2**20:.0f} MiB, {entry['wall_s']:.0f} s"
                      + _others(entry))
         entries.append(entry)
+        if on_entry is not None:
+            on_entry(entries)
     return entries
