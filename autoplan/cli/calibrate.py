@@ -70,8 +70,10 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     print(f"MAPE on the {len(fit.train)} training runs: {b['train']:.1%} -> {a['train']:.1%}; on the "
           f"{len(fit.held_out)} held-out runs: {b['held_out']:.1%} -> {a['held_out']:.1%}")
     names = ", ".join(sorted({r.source for r in runs}))
-    note = (f"autoplan calibrate {datetime.date.today().isoformat()} on {len(fit.train)} runs of {names}; "
-            f"MAPE train {a['train']:.0%}, held-out {a['held_out']:.0%} ({len(fit.held_out)} runs)")
+    note = (f"`autoplan calibrate` {datetime.date.today().isoformat()} fitted {', '.join(fields)} to "
+            f"{len(fit.train)} of the {len(runs)} measured runs in {names}; MAPE on those {a['train']:.1%}, "
+            f"on the {len(fit.held_out)} held out {a['held_out']:.1%} (before: {b['train']:.1%}, "
+            f"{b['held_out']:.1%})")
     out = Path(args.out)
     out.write_text(fitted_profile_text(text, fit, note=note, name=args.name or out.stem))
     print(f"wrote {out}")

@@ -73,7 +73,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     plans = list(select_plans(args.model, cluster, global_batch=args.global_batch, seq_len=args.seq_len,
                               num_plans=args.plans, num_top=args.top))
     random.Random(args.seed).shuffle(plans)  # so drifting machine load does not follow predicted order
-    head = {"model": args.model, "cluster": cluster.name, "profile": cluster.source,
+    head = {"model": args.model, "cluster": cluster.name, "profile": args.cluster,
             "nproc_per_node": args.nproc_per_node, "global_batch": args.global_batch, "seq_len": args.seq_len,
             "steps": args.steps, "seed": args.seed, "load_1min_start": load}
 

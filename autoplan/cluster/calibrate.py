@@ -21,7 +21,8 @@ import numpy as np
 
 # fields fitted by default: what a CPU run's step time is most sensitive to
 DEFAULT_FIELDS = ("device.matmul_efficiency", "device.op_overhead_s", "device.tp_op_overhead_s",
-                  "intra_node.latency_s", "intra_node.allreduce_busbw_fraction", "intra_node.p2p_bw_fraction")
+                  "device.dp_layer_overhead_s", "intra_node.latency_s", "intra_node.allreduce_busbw_fraction",
+                  "intra_node.p2p_bw_fraction")
 _FRACTION_BOUNDS = (1e-3, 1.0)
 _OTHER_BOUNDS = (1e-3, 1e3)  # x the starting value
 
@@ -42,6 +43,7 @@ class Fit:
     """Fitted field values and the errors (MAPE, fractions) before and after, on each split."""
 
     values: dict[str, float]
+    start: dict[str, float]
     train: tuple[int, ...]
     held_out: tuple[int, ...]
     mape_before: dict[str, float]
@@ -182,7 +184,8 @@ def calibrate(runs: Sequence[Run], profile: Mapping[str, Any], path: str, *, fie
     predict_train = run_predictor(train_runs, profile, fields, path, graph_for)
     theta = fit_parameters(predict_train, measured[list(train)], start, lower, upper)
     before, after = predict_all(start), predict_all(theta)
-    return Fit(values=dict(zip(fields, theta.tolist())), train=train, held_out=held,
+    return Fit(values=dict(zip(fields, theta.tolist())), start=dict(zip(fields, start.tolist())), train=train,
+               held_out=held,
                mape_before={"train": mape_of(before, measured, train), "held_out": mape_of(before, measured, held)},
                mape_after={"train": mape_of(after, measured, train), "held_out": mape_of(after, measured, held)})
 
@@ -199,8 +202,9 @@ def _line_index(lines: list[str], section: str, key: str) -> int | None:
 
 
 def fitted_profile_text(text: str, fit: Fit, *, note: str, name: str | None = None) -> str:
-    """The starting profile's text with the fitted fields replaced and commented as measured (`note`
-    names the runs and the errors); every other line kept. Read back, it holds exactly the values."""
+    """The starting profile's text with the fitted fields replaced and commented as measured, `note`
+    (the runs and the errors) in a header line; every other line kept. Read back, it holds exactly the
+    fitted values."""
     import yaml
 
     from autoplan.cluster.load import _scalar
@@ -216,7 +220,10 @@ def fitted_profile_text(text: str, fit: Fit, *, note: str, name: str | None = No
             if i is None:
                 raise ValueError(f"cannot find {target}.{key} in the profile text to replace")
             head = f"  {key}: {_scalar(float(value))}"
-            lines[i] = f"{head:<39}# measured: {note}" + (" (as intra_node)" if target != section else "")
+            was = f"; fitted from {fit.start[field]:.4g}" if field in fit.start else ""
+            lines[i] = (f"{head:<39}# measured: calibrated to measured runs (see the top){was}"
+                        + (" (as intra_node)" if target != section else ""))
+    lines.insert(0, f"# Calibrated: {note}")
     if name is not None:
         for i, line in enumerate(lines):
             if line.startswith("name:"):

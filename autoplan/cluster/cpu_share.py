@@ -7,7 +7,7 @@ processes each ran 512^3 fp32 matmuls at 183-196 GFLOP/s, four at once 97.7 each
 f = share(N) / share(D), per rank:
 - compute (peak_flops), memory bandwidth and link bandwidth scale by f (gloo over loopback copies
   through the CPU: measured `autoplan profile` bus bandwidth per rank 1.15 GB/s at 4 ranks, 0.25 at 8);
-- host time per op (op_overhead_s, tp_op_overhead_s) and link latency (latency_s: a ring step waits for the next process
+- host times (op_overhead_s, tp_op_overhead_s, dp_layer_overhead_s) and link latency (latency_s: a ring step waits for the next process
   to be scheduled) by 1 / f;
 - memory (mem_bytes) is the machine's split N ways: times D / N.
 The cost model then sees an ordinary per-rank profile.
@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 _FASTER = ("mem_bw_bytes_per_s",)
-_SLOWER = ("op_overhead_s", "tp_op_overhead_s")
+_SLOWER = ("op_overhead_s", "tp_op_overhead_s", "dp_layer_overhead_s")
 _LINK_FASTER = ("bw_bytes_per_s",)
 _LINK_SLOWER = ("latency_s",)
 

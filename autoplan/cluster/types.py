@@ -30,6 +30,10 @@ class DeviceSpec:
     # extra host time per op of a tensor-parallel layer (tp > 1): the executor's DTensor dispatch
     # (sharding propagation, redistribution) in front of each op. 0 = none (added by the cost model)
     tp_op_overhead_s: float = 0.0
+    # extra host time per layer per pass (forward; twice for the backward) when its parameters are wrapped
+    # for data parallelism (dp * ep * cp > 1): the executor's FSDP2 per-module hooks (unshard, reshard,
+    # gradient-reduction bookkeeping). 0 = none (added by the cost model)
+    dp_layer_overhead_s: float = 0.0
     # CPU profiles: the cores the devices_per_node rank processes of a node share (0: each device computes
     # on its own). Loading for another rank count rescales the per-rank figures (cluster/cpu_share.py);
     # the cost model lets idle pipeline ranks free their share (cost/timeline.shared_cores_makespan)

@@ -182,7 +182,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     with host time = the layer's forward op count (Layer.num_nodes) x device.op_overhead_s, twice that
     for the backward (about two ops per forward op: input and weight gradients), once more for a
     fully recomputed forward; under tp > 1 each op also pays device.tp_op_overhead_s (DTensor
-    dispatch). Small layers at small microbatches are bound by it. On a CPU (device.cpu_cores > 0) the
+    dispatch) and, when data parallel (dp * ep * cp > 1), each layer device.dp_layer_overhead_s (the
+    FSDP2 hooks). Small layers at small microbatches are bound by it. On a CPU (device.cpu_cores > 0) the
     rank's own thread issues and runs each op, so host and compute times add instead.
 
     Block matmuls are timed per pass on the roofline (gemm_pass_s), with T tokens on this device:
@@ -238,6 +239,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     else:
         rec = attention_fwd
     host = getattr(layer, "num_nodes", 0) * (device.op_overhead_s + (device.tp_op_overhead_s if t > 1 else 0.0))
+    host += device.dp_layer_overhead_s if config.num_replicas * config.cp > 1 else 0.0
     if device.cpu_cores:  # a CPU rank's one thread issues an op, then computes it: host time adds up
         return ComputeTimes(fwd_s=fwd + host, bwd_s=bwd + 2.0 * host, bwd_weight_s=dw_s,
                             recompute_s=rec + host if recompute is Recompute.FULL and rec else rec,

@@ -80,8 +80,8 @@ def test_calibrate_recovers_known_profile_fields_and_errs_on_held_out_runs() -> 
 
 def test_written_profile_holds_the_fit_and_keeps_the_rest() -> None:
     text = PROFILE_PATH.read_text()
-    fit = Fit(values={"device.op_overhead_s": 4.25e-5, "intra_node.latency_s": 3.5e-3}, train=(0,), held_out=(1,),
-              mape_before={}, mape_after={})
+    fit = Fit(values={"device.op_overhead_s": 4.25e-5, "intra_node.latency_s": 3.5e-3}, start={}, train=(0,),
+              held_out=(1,), mape_before={}, mape_after={})
     out = fitted_profile_text(text, fit, note="test runs", name="fitted")
     back = yaml.safe_load(out)
     assert get_field(back, "device.op_overhead_s") == 4.25e-5
@@ -89,9 +89,10 @@ def test_written_profile_holds_the_fit_and_keeps_the_rest() -> None:
     assert back["name"] == "fitted"
     if PROFILE["inter_node"] == PROFILE["intra_node"]:  # one machine's loopback: inter follows intra
         assert get_field(back, "inter_node.latency_s") == 3.5e-3
-    changed = [(a, b) for a, b in zip(text.splitlines(), out.splitlines()) if a != b]
-    assert all("measured: test runs" in b or b.startswith("name:") for _, b in changed)
-    assert len(text.splitlines()) == len(out.splitlines())
+    assert out.splitlines()[0] == "# Calibrated: test runs"
+    changed = [(a, b) for a, b in zip(text.splitlines(), out.splitlines()[1:]) if a != b]
+    assert all("measured: calibrated" in b or b.startswith("name:") for _, b in changed)
+    assert len(text.splitlines()) + 1 == len(out.splitlines())
     parse_profile(back, "fitted")  # still a valid profile
 
 
