@@ -38,6 +38,9 @@ class DeviceSpec:
     # on its own). Loading for another rank count rescales the per-rank figures (cluster/cpu_share.py);
     # the cost model lets idle pipeline ranks free their share (cost/timeline.shared_cores_makespan)
     cpu_cores: float = 0.0
+    # CPU profiles: the throughput a core delivers while more rank processes than cores share it, relative to
+    # one rank per core (context switches, cache refills); used only when rescaling (cluster/cpu_share.py)
+    cpu_oversubscribed_efficiency: float = 1.0
 
     def peak(self, dtype: str = "bf16") -> float:
         table = dict(self.peak_flops)

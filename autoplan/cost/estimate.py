@@ -109,7 +109,8 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     if cluster.device.cpu_cores and p > 1:  # CPU ranks sharing cores: a waiting pipeline rank frees its share
         pipe = shared_cores_pipeline_time_s(config, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
                                             [r.weight for r in ranks], cores=cluster.device.cpu_cores,
-                                            ranks=cluster.devices_per_node)
+                                            ranks=cluster.devices_per_node,
+                                            oversubscribed=cluster.device.cpu_oversubscribed_efficiency)
     offsets = [sum(r.bwd for r in ranks[:k]) for k in range(p)]
     dp_tail = max(0.0, max(r.dp_tail - off for r, off in zip(ranks, offsets)))
     param_gather = max(_param_gather_s(r, cluster, config, dense_group, expert_group, dbytes) for r in ranks)

@@ -270,15 +270,21 @@ def timeline_of(graph: LayerGraph, cluster: ClusterSpec, plan: Plan) -> tuple[tu
     return actions, max(plan.estimate.step_time_s - makespan(actions), 0.0)
 
 
+def _core_share(cores: float, ranks: float, oversubscribed: float) -> float:
+    """A core's throughput per process: whole up to one process per core, else cores / ranks of it at the
+    oversubscribed efficiency (the profile's cpu_oversubscribed_efficiency; as cluster/cpu_share.py)."""
+    return 1.0 if ranks <= cores else cores / ranks * oversubscribed
+
+
 def shared_cores_makespan(config: ParallelConfig, m: int, times: StageTimes, *, cores: float,
-                          ranks: int) -> float:
+                          ranks: int, oversubscribed: float = 1.0) -> float:
     """The schedule's time when `ranks` single-threaded rank processes share `cores` CPU cores and a
     rank waiting for its input uses none (gloo blocks in its wait: measured here, a rank waiting 2 s in
-    recv used 4 ms of CPU). `times` are at the all-busy share min(1, cores / ranks) of a core; the
+    recv used 4 ms of CPU). `times` are at the all-busy share of a core (_core_share of all ranks); the
     ranks / pp pipeline replicas run in step. Processor sharing (a fluid model): each running action
-    progresses at min(1, cores / (running ranks of a pipeline x replicas)) of a core, so a pipeline's
-    fill and drain, when few ranks work, run faster than its steady state."""
-    full = min(1.0, cores / ranks)  # the share the given times were measured at
+    progresses at the share of (running ranks of a pipeline x replicas), so a pipeline's fill and
+    drain, when few ranks work, run faster than its steady state."""
+    full = _core_share(cores, ranks, oversubscribed)  # the share the given times were measured at
     replicas = max(1, ranks // config.pp)
     placement, n = stage_ranks(config), config.pp * config.virtual_stages
     orders = rank_orders(config, m)
@@ -295,7 +301,7 @@ def shared_cores_makespan(config: ParallelConfig, m: int, times: StageTimes, *, 
                     running.add(r)
         if not running:
             break
-        rate = min(1.0, cores / (len(running) * replicas))
+        rate = _core_share(cores, len(running) * replicas, oversubscribed)
         dt = min(left[r] for r in running) / rate
         t += dt
         for r in sorted(running):
@@ -311,7 +317,8 @@ def shared_cores_makespan(config: ParallelConfig, m: int, times: StageTimes, *, 
 
 
 def shared_cores_pipeline_time_s(config: ParallelConfig, m: int, fwd_s: Sequence[float], bwd_s: Sequence[float],
-                                 weight_s: Sequence[float], *, cores: float, ranks: int) -> float:
+                                 weight_s: Sequence[float], *, cores: float, ranks: int,
+                                 oversubscribed: float = 1.0) -> float:
     """pipeline_time_s for CPU ranks sharing `cores` cores (shared_cores_makespan), from per pipeline
     rank times (a rank's chunks summed, sends included, split evenly over its chunks), at least the
     slowest rank's m microbatches at the all-busy share: the steady state runs every rank."""
@@ -321,4 +328,5 @@ def shared_cores_pipeline_time_s(config: ParallelConfig, m: int, fwd_s: Sequence
                        bwd_s=tuple(bwd_s[r] / per[r] for r in placement),
                        weight_s=tuple(weight_s[r] / per[r] for r in placement), hop_s=(0.0,) * len(placement))
     slowest = max(f + b for f, b in zip(fwd_s, bwd_s))
-    return max(shared_cores_makespan(config, m, times, cores=cores, ranks=ranks), m * slowest)
+    return max(shared_cores_makespan(config, m, times, cores=cores, ranks=ranks, oversubscribed=oversubscribed),
+               m * slowest)

@@ -30,7 +30,7 @@ def _pyplot() -> Any:
 
 def scatter(entries: Sequence[Mapping[str, Any]], path: str, *, title: str) -> None:
     """Predicted (x) against measured (y) step time, log-log, with the y = x line and +-25 % band;
-    each point labelled with its plan."""
+    the points numbered in the order of `entries`, with a key of their plans."""
     plt = _pyplot()
     ok = [e for e in entries if e.get("measured_step_time_s")]
     xs = [e["predicted_step_time_s"] for e in ok]
@@ -41,11 +41,20 @@ def scatter(entries: Sequence[Mapping[str, Any]], path: str, *, title: str) -> N
     ax.fill_between([lo, hi], [lo / 1.25, hi / 1.25], [lo * 1.25, hi * 1.25], color="grey", alpha=0.15,
                     label="within 25 %")
     ax.scatter(xs, ys, color="#4C72B0", zorder=3)
-    for e, x, y in zip(ok, xs, ys):
-        ax.annotate(e.get("label", ""), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    for i, (x, y) in enumerate(zip(xs, ys), 1):  # numbered points, the plans listed in a key
+        ax.annotate(str(i), (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    key = "\n".join(f"{i:>2}  {e.get('label', '')}" for i, e in enumerate(ok, 1))
+    ax.text(0.98, 0.02, key, transform=ax.transAxes, fontsize=7, family="monospace", ha="right", va="bottom",
+            multialignment="left",
+            bbox={"facecolor": "white", "edgecolor": "#cccccc", "alpha": 0.9})
     ax.set(xscale="log", yscale="log", xlim=(lo, hi), ylim=(lo, hi), xlabel="predicted step time (s)",
            ylabel="measured step time (s)", title=title)
     ax.legend(loc="upper left", fontsize=8)
+    from matplotlib.ticker import FuncFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

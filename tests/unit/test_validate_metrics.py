@@ -53,15 +53,24 @@ def test_cpu_profile_rescales_per_rank_figures_by_the_core_share() -> None:
     data = yaml.safe_load(Cluster.path("local-cpu").read_text())
     data["device"]["cpu_cores"], data["devices_per_node"] = 2, 8
     four = rescale(data, 4, "x")
-    assert share(2, 8) == 0.25 and share(2, 1) == 1.0
+    assert share(2, 8) == 0.25 and share(2, 1) == 1.0 and share(2, 1, threads=True) == 2.0
     dev, dev4 = data["device"], four["device"]
     assert math.isclose(float(dev4["peak_flops"]["fp32"]), 2 * float(dev["peak_flops"]["fp32"]))
     assert math.isclose(float(dev4["op_overhead_s"]), float(dev["op_overhead_s"]) / 2)
     assert dev4["mem_bytes"] == 2 * dev["mem_bytes"]
     assert math.isclose(float(four["intra_node"]["latency_s"]), float(data["intra_node"]["latency_s"]) / 2)
     assert math.isclose(float(four["intra_node"]["bw_bytes_per_s"]), 2 * float(data["intra_node"]["bw_bytes_per_s"]))
-    one = rescale(data, 1, "x")  # one rank gets one core, not both: 4x the 8-rank share, not 8x
-    assert math.isclose(float(one["device"]["peak_flops"]["fp32"]), 4 * float(dev["peak_flops"]["fp32"]))
+    one = rescale(data, 1, "x")  # one rank: its kernels run on both cores (8x), its ops issue on one (4x)
+    assert math.isclose(float(one["device"]["peak_flops"]["fp32"]), 8 * float(dev["peak_flops"]["fp32"]))
+    assert math.isclose(float(one["device"]["op_overhead_s"]), float(dev["op_overhead_s"]) / 4)
+    assert math.isclose(float(rescale(data, 2, "x")["device"]["peak_flops"]["fp32"]), 4 * float(dev["peak_flops"]["fp32"]))
     assert rescale(data, 8, "x") == data
+    # a shared core delivers e of its throughput: cancels between 4 and 8 ranks, not between 8 and 1
+    # (a core to itself)
+    data["device"]["cpu_oversubscribed_efficiency"] = 0.5
+    assert math.isclose(float(rescale(data, 4, "x")["device"]["peak_flops"]["fp32"]), 2 * float(dev["peak_flops"]["fp32"]))
+    one = rescale(data, 1, "x")
+    assert math.isclose(float(one["device"]["peak_flops"]["fp32"]), 16 * float(dev["peak_flops"]["fp32"]))
+    assert math.isclose(float(one["device"]["op_overhead_s"]), float(dev["op_overhead_s"]) / 8)
     spec = parse_profile(data, "x", devices_per_node=4)
     assert math.isclose(spec.device.peak("fp32"), 2 * float(dev["peak_flops"]["fp32"]))
