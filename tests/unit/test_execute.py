@@ -189,7 +189,7 @@ def test_report_holds_losses_median_step_time_and_the_prediction() -> None:
                  peak_mem_per_rank=[5, 6], world_size=2)
     assert out["losses"] == [3.0, 2.0, 1.0, 0.5] and out["step_time_s"] == 0.2  # median of 0.3, 0.1, 0.2
     assert out["predicted_step_time_s"] == 0.5 and out["peak_mem_bytes_per_rank"] == [5, 6]
-    assert out["plan"] == plan.config.to_dict() and out["numerics"]["zero1_runs_as_zero2"] is True
+    assert out["plan"] == plan.config.to_dict() and out["zero_layout"]["shards_gradients"] is False
     assert json.loads(json.dumps(out)) == out
     assert "predicted_step_time_s" not in report(result, plan=plan.config, model_name="tiny-gpt",
                                                  options=TrainOptions(steps=4, global_batch=4, seq_len=8),
