@@ -39,8 +39,8 @@ from autoplan.execute.pipeline import (
     local_stage_indices,
 )
 from autoplan.execute.recompute import original_fqn
-from autoplan.models import Transformer, preset
-from autoplan.plan.layout import ZeroLayout, zero_layout
+from autoplan.models import Transformer, TransformerConfig, preset, preset_config
+from autoplan.plan.layout import ZeroLayout, divisibility_errors, zero_layout
 from autoplan.plan.types import ParallelConfig, Plan
 
 
@@ -178,8 +178,21 @@ class _Job:
     layout: ZeroLayout  # the ZeRO layout of plan.layout.zero_layout
 
 
+def check_divides(model_config: TransformerConfig, config: ParallelConfig, options: TrainOptions) -> None:
+    """Refuse, with the first line of plan.layout.divisibility_errors (the rule the search filters with and
+    the cost model refuses with), a plan whose degrees do not divide the model, the sequence or the batch."""
+    c = model_config
+    errors = divisibility_errors(config, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads or c.num_heads,
+                                 ffn_hidden_size=c.ffn_hidden_size or 0, num_experts=c.num_experts,
+                                 vocab_size=c.vocab_size, seq_len=options.seq_len, num_blocks=c.num_layers,
+                                 global_batch=options.global_batch)
+    if errors:
+        raise ValueError(f"{c.name}: {errors[0]}")
+
+
 def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
     config = config_of(plan)
+    check_divides(preset_config(model_name), config, options)
     mesh = build_mesh(config, device_type=device.type)
     meshes = sub_meshes(mesh)
     num_microbatches = config.num_microbatches(options.global_batch)  # raises when the batch does not divide
