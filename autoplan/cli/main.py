@@ -11,7 +11,7 @@ import importlib
 import sys
 
 # subcommand modules, each owning its flags
-_COMMAND_MODULES = ("autoplan.cli.plan", "autoplan.cli.run", "autoplan.cli.profile")
+_COMMAND_MODULES = ("autoplan.cli.plan", "autoplan.cli.run", "autoplan.cli.profile", "autoplan.cli.serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
