@@ -38,6 +38,7 @@ class SearchOptions:
     schedules: tuple[Schedule, ...] = SCHEDULES
     recompute: tuple[Recompute, ...] = RECOMPUTES
     max_virtual_stages: int = 8
+    max_tp: int | None = None  # tp at most this (with tp=None: every tp up to it)
     use_ilp: bool = True  # refine per-layer recompute and the stage split of the best candidates
     progress: bool = False  # a rich status line on stderr
 
@@ -48,6 +49,10 @@ class SearchOptions:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
         for name in ("tp", "pp", "dp", "cp", "ep", "microbatch"):
             object.__setattr__(self, name, _as_degrees(name, getattr(self, name)))
+        for name in ("max_virtual_stages", "max_tp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         zero = _as_tuple(self.zero)
         for z in zero:
             if isinstance(z, bool) or z not in (0, 1, 2, 3):
@@ -116,7 +121,8 @@ def mesh_shapes(
     limits = ModelLimits.of(graph)
     n = cluster.num_devices
     node = cluster.devices_per_node
-    tps = [t for t in divisors(node) if all(s % t == 0 for s in limits.tp_divides)]
+    tps = [t for t in divisors(node) if all(s % t == 0 for s in limits.tp_divides)
+           and (options.max_tp is None or t <= options.max_tp)]
     eps = divisors(limits.num_experts) if limits.num_experts else (1,)
     out = []
     for tp in _allowed(tps, options.tp):
