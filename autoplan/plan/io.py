@@ -98,7 +98,6 @@ def plans_to_json(plans: Sequence[Plan]) -> str:
 def load_plans(path: str | Path) -> tuple[Plan, ...]:
     """The ranked plans of a file from `plans_to_json` (or the one plan of a single-plan file)."""
     text = Path(path).read_text()
-    data = json.loads(text) if text.strip().startswith("{") else None
-    if isinstance(data, dict) and isinstance(data.get("ranked"), list):
-        return tuple(plan_from_dict(d) for d in data["ranked"])
-    return (plan_from_json(text),)
+    best = plan_from_json(text)  # checks the JSON and the best plan's fields
+    ranked = json.loads(text).get("ranked")
+    return tuple(plan_from_dict(d) for d in ranked) if isinstance(ranked, list) else (best,)

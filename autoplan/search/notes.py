@@ -86,12 +86,12 @@ def _context_and_experts(plan: Plan, ctx: dict[str, Any]) -> list[str]:
     c, est, out = plan.config, plan.estimate, []
     if c.cp > 1:
         out.append(f"cp={c.cp} splits each sequence over {c.cp} devices (2*cp load-balanced chunks), dividing "
-                   f"activations by {c.cp}; the key/value exchange costs {est.breakdown.cp_comm / est.step_time_s:.0%}"
-                   f" of the step.")
+                   f"activations by {c.cp}; the key/value exchange costs {_share(est.breakdown.cp_comm, est)} "
+                   f"of the step.")
     out += _alternatives("cp", plan, ctx)
     if c.ep > 1:
         out.append(f"ep={c.ep} spreads each MoE layer's experts over {c.ep} devices; the token all-to-all costs "
-                   f"{est.breakdown.ep_comm / est.step_time_s:.0%} of the step.")
+                   f"{_share(est.breakdown.ep_comm, est)} of the step.")
     return out + _alternatives("ep", plan, ctx)
 
 
@@ -146,6 +146,12 @@ def _mode_summary(plan: Plan) -> str:
     for _, r in plan.layer_recompute:
         over[r.value] = over.get(r.value, 0) + 1
     return f"{plan.config.recompute.value} except " + ", ".join(f"{n} layers {r}" for r, n in over.items())
+
+
+def _share(seconds: float, est: Any) -> str:
+    """A cause's share of the step: whole percent, one decimal under 1 %."""
+    f = seconds / est.step_time_s if est.step_time_s else 0.0
+    return f"{f:.0%}" if f >= 0.01 or f == 0 else f"{f:.1%}"
 
 
 def _n(count: int, noun: str) -> str:
