@@ -29,7 +29,8 @@ def listing(items: tuple[str, ...], most: int = 6) -> str:
     return shown + (f"; and {len(items) - most} more" if len(items) > most else "")
 
 
-def _seconds(t: float) -> str:
+def seconds(t: float) -> str:
+    """Three decimals, or three significant digits under 10 ms (a small model's step is not 0.000 s)."""
     return f"{t:.3f}" if t >= 0.01 else f"{t:.3g}"
 
 
@@ -54,7 +55,7 @@ def explain(plan: Plan) -> str:
     lines = [
         f"{head} for {plan.model_name} on {plan.num_devices} devices ({plan.cluster_name}), {_batch(plan)}:",
         f"  {describe_config(plan)}",
-        (f"  step {_seconds(e.step_time_s)} s, {_throughput(plan)}, MFU {e.mfu:.1%}, "
+        (f"  step {seconds(e.step_time_s)} s, {_throughput(plan)}, MFU {e.mfu:.1%}, "
          f"{e.peak_mem_bytes / _GIB:.3g} of {e.mem_capacity_bytes / _GIB:.0f} GiB per device"
          + ("" if e.fits else " (DOES NOT FIT)")),
         "  time: " + ", ".join(f"{_CAUSES.get(k, k)} {v:.3g} s" for k, v in e.breakdown.items() if v > 0),

@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from autoplan.plan.explain import listing
+from autoplan.plan.explain import listing, seconds
 from autoplan.plan.types import Plan
 from autoplan.search.ties import MEM_TOLERANCE, TIME_TOLERANCE
 
@@ -46,11 +46,6 @@ def causes_label(plan: Plan, n: int = 3) -> str:
     total = b.total_s or 1.0
     top = sorted(((k, v) for k, v in b.items() if v > 0), key=lambda kv: -kv[1])[:n]
     return " ".join(f"{_SHORT[k]} {v / total:.0%}" for k, v in top)
-
-
-def seconds(t: float) -> str:
-    """Three decimals, or three significant digits under 10 ms (a small model's step is not 0.000 s)."""
-    return f"{t:.3f}" if t >= 0.01 else f"{t:.3g}"
 
 
 def throughput(plan: Plan) -> str:
