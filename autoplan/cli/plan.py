@@ -188,9 +188,7 @@ def _write_outputs(args: argparse.Namespace, plans: Any) -> None:
         Path(args.csv).write_text(plans_csv(plans))
         print(f"{len(plans)} ranked plans written to {args.csv}")
     if args.pareto:
-        from autoplan.search.pareto import pareto_png
-
-        pareto_png(plans, plans.candidates, args.pareto)
+        plans.pareto_png(args.pareto)
         print(f"step time against memory plotted in {args.pareto}")
     for engine, path in args.export or ():
         out = export_plan(plans[0], engine)

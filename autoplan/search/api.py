@@ -27,7 +27,7 @@ _module_graphs: weakref.WeakKeyDictionary[Any, dict[int, LayerGraph]] = weakref.
 
 class Plans(tuple):
     """The ranked plans, best first: a tuple of Plan that prints as a table. `candidates` holds what the
-    search estimated (search.search's record: "space", "quick", "exact"), for `pareto_png`."""
+    search estimated (search.search's record: "quick", "exact"), for `pareto_png`."""
 
     candidates: dict[str, Any] | None = None
 
@@ -39,6 +39,12 @@ class Plans(tuple):
         from autoplan.search.table import plans_table
 
         return plans_table(self)
+
+    def pareto_png(self, path: str | Path) -> None:
+        """Plot step time against memory for the candidates (autoplan.search.pareto)."""
+        from autoplan.search.pareto import pareto_png
+
+        pareto_png(self, self.candidates, path)
 
     def __rich__(self) -> Any:
         return self.table()

@@ -49,8 +49,8 @@ def _rank_key(cand: Any) -> tuple:
 def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, cost_model: Any = None,
            record: dict[str, Any] | None = None) -> tuple[Plan, ...]:
     """The top_k fitting plans, fastest first, ties folded (search.ties); ValueError (with the overflow and
-    the remedies) if none fits. `record`, when given, receives the candidates: "space", "quick" (the quick
-    estimate of every candidate) and "exact" (the exactly estimated, fitting ones), for a Pareto plot."""
+    the remedies) if none fits. `record`, when given, receives the candidates: "quick" (the quick estimate
+    of every candidate) and "exact" (the exactly estimated, fitting ones), for a Pareto plot."""
     cost = cost_model or importlib.import_module("autoplan.cost")
     with _status(options.progress) as status:
         status(f"enumerating configurations for {cluster.num_devices} devices")
@@ -63,7 +63,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
         if options.use_ilp:
             found = _refine_best(graph, cluster, space, quick, found, options, cost, status)
         if record is not None:
-            record.update(space=space, quick=quick, exact=list(found))
+            record.update(quick=quick, exact=list(found))
         if not found:
             raise ValueError(nothing_fits_message(graph, cluster, space, quick, options, cost))
     ranked = fold_ties(sorted(found, key=_rank_key))[:options.top_k]
