@@ -82,6 +82,9 @@ class LayerGraph:
     vocab_size: int = 0
     num_nodes: int = 0  # graph nodes captured (for reporting)
     capture_method: str = ""  # "export", "symbolic_trace", ...
+    # the shape of one sample of the model's first input as captured (batch dimension dropped): (seq_len,)
+    # for token ids, (channels, height, width) for an image model; () when not known
+    input_shape: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property

@@ -39,6 +39,7 @@ class SearchOptions:
     schedules: tuple[Schedule, ...] = SCHEDULES
     recompute: tuple[Recompute, ...] = RECOMPUTES
     max_virtual_stages: int = 8
+    max_tp: int | None = None  # tp at most this (with tp=None: every tp up to it)
     use_ilp: bool = True  # refine per-layer recompute and the stage split of the best candidates
     progress: bool = False  # a rich status line on stderr
 
@@ -49,6 +50,10 @@ class SearchOptions:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
         for name in ("tp", "pp", "dp", "cp", "ep", "microbatch"):
             object.__setattr__(self, name, _as_degrees(name, getattr(self, name)))
+        for name in ("max_virtual_stages", "max_tp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         zero = _as_tuple(self.zero)
         for z in zero:
             if isinstance(z, bool) or z not in (0, 1, 2, 3):
@@ -103,7 +108,8 @@ def mesh_shapes(
     blocks (pp <= blocks); dp*ep the global batch. Each rule involves one degree (or dp*ep), so each degree
     is filtered on its own and the product is checked once more."""
     n, experts = cluster.num_devices, max((b.num_experts for b in graph.blocks), default=0)
-    tps = [t for t in _allowed(divisors(cluster.devices_per_node), options.tp) if _fits(graph, ParallelConfig(tp=t))]
+    tps = [t for t in _allowed(divisors(cluster.devices_per_node), options.tp) if _fits(graph, ParallelConfig(tp=t))
+           and (options.max_tp is None or t <= options.max_tp)]
     eps = [e for e in _allowed(divisors(experts) if experts else (1,), options.ep) if _fits(graph, ParallelConfig(ep=e))]
     cps = [c for c in _allowed(divisors(graph.seq_len), options.cp) if _fits(graph, ParallelConfig(cp=c))]
     out = []
