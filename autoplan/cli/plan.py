@@ -17,7 +17,8 @@ from autoplan.plan.export import ENGINES
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
 
 _GIB = 2**30
-_CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute")
+_CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute",
+                "etp", "eep")
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +33,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--virtual-stages", dest="virtual_stages", type=int, default=None, metavar="V",
                        help="model chunks per pipeline rank (interleaved / zb)")
     group.add_argument("--recompute", default=None, metavar="R", help="|".join(r.value for r in Recompute))
+    group.add_argument("--etp", type=int, default=None, metavar="N",
+                       help="MoE folding: expert tensor-parallel degree (default: tp)")
+    group.add_argument("--eep", type=int, default=None, metavar="N",
+                       help="MoE folding: expert-parallel degree over the stage's ranks (default: ep)")
 
 
 def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConfig:
@@ -55,9 +60,9 @@ SEARCH_FLAGS = {
     "global_batch": "--global-batch", "top_k": "--top-k", "tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp",
     "ep": "--ep", "microbatch": "--microbatch", "zero": "--zero", "sp": "--sp", "schedules": "--schedules",
     "recompute": "--recompute", "max_virtual_stages": "--max-virtual-stages", "max_tp": "--max-tp",
-    "use_ilp": "--no-ilp", "progress": "--quiet",
+    "use_ilp": "--no-ilp", "progress": "--quiet", "etp": "--etp", "eep": "--eep", "fold_experts": "--no-fold",
 }
-_LIST_FLAGS = ("tp", "pp", "dp", "cp", "ep", "microbatch", "zero", "sp", "schedules", "recompute")
+_LIST_FLAGS = ("tp", "pp", "dp", "cp", "ep", "microbatch", "zero", "sp", "schedules", "recompute", "etp", "eep")
 
 
 def _add_search_flags(parser: argparse.ArgumentParser) -> None:
@@ -78,6 +83,12 @@ def _add_search_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ilp", dest="use_ilp", action="store_false", default=None,
                    help="skip the per-layer recompute and stage split refinement (ILP)")
     g.add_argument("--quiet", dest="progress", action="store_false", default=True, help="no progress line on stderr")
+    g.add_argument("--etp", default=None, metavar="N[,N]", help="expert tensor-parallel degree(s) of folded MoE "
+                   "layouts (default 1, what `autoplan run` executes)")
+    g.add_argument("--eep", default=None, metavar="N[,N]", help="expert-parallel degree(s) of folded MoE layouts "
+                   "(default: every divisor of the experts)")
+    g.add_argument("--no-fold", dest="fold_experts", action="store_false", default=None,
+                   help="no folded MoE layouts: experts only on the dense mesh's ep axis")
 
 
 def _split_list(flag: str, text: str, convert: Any) -> tuple[Any, ...]:

@@ -53,7 +53,8 @@ def _launcher_args(args: argparse.Namespace) -> list[str]:
 
 
 def _config_given(args: argparse.Namespace) -> bool:
-    names = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute")
+    names = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute",
+             "etp", "eep")
     return any(getattr(args, n, None) is not None for n in names)
 
 

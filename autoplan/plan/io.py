@@ -28,7 +28,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "seq_len": plan.seq_len,
         "rank": plan.rank,
         "config": plan.config.to_dict(),
-        "stages": [{"index": s.index, "layer_names": list(s.layer_names)} for s in plan.stages],
+        "stages": [{"index": s.index, "layer_names": list(s.layer_names), **({"group": s.group} if s.group else {})}
+                   for s in plan.stages],
         "layer_recompute": [[name, mode.value] for name, mode in plan.layer_recompute],
         "estimate": plan.estimate.to_dict(),
         "notes": list(plan.notes),
@@ -52,7 +53,8 @@ def plan_from_dict(data: dict[str, Any]) -> Plan:
             num_devices=data["num_devices"],
             global_batch=data["global_batch"],
             seq_len=data["seq_len"],
-            stages=tuple(Stage(index=s["index"], layer_names=tuple(s["layer_names"])) for s in data.get("stages", ())),
+            stages=tuple(Stage(index=s["index"], layer_names=tuple(s["layer_names"]), group=s.get("group", ""))
+                         for s in data.get("stages", ())),
             layer_recompute=tuple((n, r) for n, r in data.get("layer_recompute", ())),
             rank=data.get("rank", 0),
             notes=tuple(data.get("notes", ())),

@@ -15,7 +15,8 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute, Stage
+from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute
+from autoplan.search.hetero import plan_stages
 from autoplan.search.notes import nothing_fits_message, plan_notes
 from autoplan.search.refine import refine
 from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space
@@ -146,10 +147,10 @@ def _dedupe(found: list[Candidate]) -> list[Candidate]:
 
 def _to_plan(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, cand: Candidate, *, rank: int,
              cost: Any, folded: tuple[str, ...] = ()) -> Plan:
-    stages = cand.stages or tuple(cost.balanced_stages(graph, cand.config))
+    stages = plan_stages(graph, cluster, cand.config, cand.stages, cost)  # with node groups (search/hetero.py)
     return Plan(config=cand.config, estimate=cand.estimate, model_name=graph.model_name, cluster_name=cluster.name,
                 num_devices=cluster.num_devices, global_batch=options.global_batch, seq_len=graph.seq_len,
-                stages=tuple(Stage(index=i, layer_names=tuple(s)) for i, s in enumerate(stages)),
+                stages=stages,
                 layer_recompute=cand.layer_recompute, rank=rank, folded=folded,
                 sample_shape=() if graph.vocab_size else getattr(graph, "input_shape", ()))
 

@@ -23,7 +23,7 @@ from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
 FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work")
-_KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute")
+_KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
 # mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32 master, momentum, variance) bytes
 # per parameter (Rajbhandari et al., ZeRO, 2020, section 3.1)
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2.0, 2.0, 12.0
@@ -54,9 +54,11 @@ def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any
     first = [kinds[k][0] for k in kind_names]
     table = np.zeros((len(first_row), len(graph.layers), len(FIELDS)))
     for i, row in enumerate(first_row.tolist()):
-        tp, cp, ep, sp, mb, rec = (int(space.columns[col][row]) for col in _KEY_COLS)
+        tp, cp, ep, sp, mb, rec, etp, eep = (int(space.columns[col][row]) for col in _KEY_COLS)
         recompute = RECOMPUTES[rec]
-        config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=recompute)
+        # dp: any valid one (a layer's cost does not depend on it; folded expert degrees need the stage's ranks)
+        config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=recompute,
+                                dp=int(space.columns["dp"][row]), etp=etp, eep=eep)
         per_kind = np.array([_fields(cost.estimate_layer(layer, cluster, config, recompute, seq_len=graph.seq_len))
                              for layer in first])
         table[i] = per_kind[kind_of]
@@ -107,17 +109,18 @@ def comm_lines(space: Space, cluster: ClusterSpec, cost: Any) -> dict[str, tuple
     the cost model's own functions (two sizes per unique mesh; exact for its ring formulas)."""
     c = space.columns
     code = np.zeros(len(space), dtype=np.int64)
-    for col in ("pp", "dp", "ep", "cp", "tp"):
+    for col in ("pp", "dp", "ep", "cp", "tp", "etp", "eep"):
         code = code * (int(c[col].max(initial=0)) + 1) + c[col]
     _, first_row, inverse = np.unique(code, return_index=True, return_inverse=True)
-    uniq = [tuple(int(c[k][r]) for k in ("pp", "dp", "ep", "cp", "tp")) for r in first_row.tolist()]
+    uniq = [tuple(int(c[k][r]) for k in ("pp", "dp", "ep", "cp", "tp", "etp", "eep")) for r in first_row.tolist()]
     lines = np.zeros((len(uniq), len(_COMM), 2))
     s1, s2 = 1e8, 2e8
     dpn = cluster.devices_per_node
-    for i, sizes in enumerate(uniq):
-        dense = _placement(sizes, ("dp", "ep", "cp"), dpn, cost)
-        expert = _placement(sizes, ("dp", "cp"), dpn, cost)
-        cross = _placement(sizes, ("pp",), dpn, cost).crosses_nodes
+    for i, (*sizes, etp, eep) in enumerate(uniq):
+        dense = _placement(tuple(sizes), ("dp", "ep", "cp"), dpn, cost)
+        pp, dp, ep, cp, tp = sizes  # the experts' data-parallel group, folded or not (cost.experts)
+        expert = cost.expert_dp_placement(ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp, etp=etp, eep=eep), dpn)
+        cross = _placement(tuple(sizes), ("pp",), dpn, cost).crosses_nodes
         calls = ((cost.all_reduce_s, dense), (cost.reduce_scatter_s, dense), (cost.all_gather_s, dense),
                  (cost.all_reduce_s, expert), (cost.reduce_scatter_s, expert), (cost.all_gather_s, expert),
                  (cost.p2p_s, cross))
@@ -223,7 +226,9 @@ def _assemble(per_rank: np.ndarray, layers_per_rank: np.ndarray, extra: dict[str
     dp_tail = np.where(c["zero"] <= 1, np.maximum((tail - offsets).max(axis=1), 0.0), 0.0)
     # ZeRO-1/2: all-gather the updated 16-bit weights after the optimizer step (exposed)
     param_gather = np.where((c["zero"] == 1) | (c["zero"] == 2), gather.max(axis=1), 0.0)
-    dense_n, expert_n = c["dp"] * c["ep"] * c["cp"], c["dp"] * c["cp"]
+    dense_n = c["dp"] * c["ep"] * c["cp"]
+    # ParallelConfig.expert_dp: dp * cp unfolded, the stage's ranks over etp * eep when folded
+    expert_n = dense_n * c["tp"] // (np.where(c["etp"] > 0, c["etp"], c["tp"]) * np.where(c["eep"] > 0, c["eep"], c["ep"]))
     shard = f["dense_params"] / dense_n[:, None] + f["expert_params"] / expert_n[:, None]
     local = np.where(z >= 1, shard, f["params"]).max(axis=1)
     optimizer_s = local * ADAM_BYTES / (cluster.device.mem_bw_bytes_per_s * cluster.device.mem_bw_efficiency)
