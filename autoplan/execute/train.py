@@ -30,7 +30,8 @@ from autoplan.execute.apply import apply_plan, config_of
 from autoplan.execute.checkpoint import load_checkpoint, save_checkpoint
 from autoplan.execute.context import zigzag_positions
 from autoplan.execute.fsdp import prepare_microbatch
-from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
+from autoplan.execute.experts import check_expert_layout
+from autoplan.execute.mesh import SubMeshes, build_expert_mesh, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
     SCALE_GRADS,
     build_schedule,
@@ -193,8 +194,9 @@ def check_divides(model_config: TransformerConfig, config: ParallelConfig, optio
 def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
     config = config_of(plan)
     check_divides(preset_config(model_name), config, options)
+    check_expert_layout(config)
     mesh = build_mesh(config, device_type=device.type)
-    meshes = sub_meshes(mesh)
+    meshes = sub_meshes(mesh, build_expert_mesh(config, device_type=device.type))
     num_microbatches = config.num_microbatches(options.global_batch)  # raises when the batch does not divide
     model = build_model(model_name, options.seed)
     if options.seq_len > model.config.max_seq_len:
