@@ -29,8 +29,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autoplan.execute.apply import apply_plan, config_of
 from autoplan.execute.checkpoint import load_checkpoint, save_checkpoint
 from autoplan.execute.context import zigzag_positions
-from autoplan.execute.fsdp import prepare_microbatch
 from autoplan.execute.experts import check_expert_layout
+from autoplan.execute.fsdp import prepare_microbatch
 from autoplan.execute.mesh import SubMeshes, build_expert_mesh, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
     SCALE_GRADS,
