@@ -245,6 +245,10 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
     for name in Cluster.names():
         c = Cluster.load(name)
+        if c.groups:  # heterogeneous: its node groups, in rank order
+            print(f"{name:<16} " + " + ".join(f"{g.spec.num_nodes} x {g.name}" for g in c.groups)
+                  + f", {c.inter_group.name} between groups")
+            continue
         print(f"{name:<16} {c.device.name:<18} {c.devices_per_node} per node, {c.device.mem_bytes / _GIB:.0f} GiB, "
               f"{c.intra_node.name} / {c.inter_node.name}")
     return 0
