@@ -80,9 +80,9 @@ def _expert_mesh_note(c: Any, engine: str) -> list[str]:
     lies outside it (the same degrees, other groups)."""
     if c.folded or c.ep == 1 or c.cp == 1:
         return []
-    return [f"ep={c.ep} with cp={c.cp}: {engine} forms expert-parallel groups of ranks tp apart (its expert mesh, "
-            f"inside the cp group); the plan's ep axis is cp*tp apart. The same degrees run on other groups: "
-            f"plan with folded experts (etp={c.tp}, eep={c.ep}) to price {engine}'s layout"]
+    return [(f"ep={c.ep} with cp={c.cp}: {engine} forms expert-parallel groups of ranks tp apart (its expert mesh, "
+             f"inside the cp group); the plan's ep axis is cp*tp apart. The same degrees run on other groups: "
+             f"plan with folded experts (etp={c.tp}, eep={c.ep}) to price {engine}'s layout")]
 
 
 def _megatron_pipeline(plan: Plan, split: Split | None, notes: list[str]) -> list[str]:

@@ -103,7 +103,7 @@ def test_cross_group_hop_uses_the_inter_group_link() -> None:
     m = 4
     slow, fast = (estimate_config(g, two_kinds(inter_bw=bw), config, global_batch=8 * m) for bw in (1e9, 1e12))
     out_bytes = 2 * 1024 * 1024
-    hop = lambda bw: out_bytes / bw  # noqa: E731  (ideal links: no latency, p2p fraction 1)
+    hop = lambda bw: out_bytes / bw
     assert slow.breakdown.pp_comm == pytest.approx(m * hop(1e9), rel=1e-12)
     assert fast.breakdown.pp_comm == pytest.approx(m * hop(1e12), rel=1e-12)
 
