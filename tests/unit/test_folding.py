@@ -117,7 +117,7 @@ def test_expert_mesh_groups_are_megatrons(config: ParallelConfig) -> None:
 def test_expert_placement_counts_nodes_like_brute_force() -> None:
     config = ParallelConfig(tp=4, dp=4, cp=2, etp=1, eep=8)  # 32 ranks, nodes of 8
     for axis in ("etp", "eep", "edp"):
-        group = [g for g in _our_groups(config, axis) if 0 in g][0]
+        group = next(g for g in _our_groups(config, axis) if 0 in g)
         nodes = {r // 8 for r in group}
         placed = expert_placement(config, axis, 8)
         assert (placed.size, placed.num_nodes) == (len(group), len(nodes))
