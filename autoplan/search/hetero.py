@@ -67,3 +67,34 @@ def plan_stages(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig,
     split = stages or tuple(cost.default_split(graph, cluster, config))
     names = stage_group_names(cluster, config, cost) or ("",) * len(split)
     return tuple(Stage(index=i, layer_names=tuple(s), group=g) for i, (s, g) in enumerate(zip(split, names)))
+
+
+def group_notes(plan: Any, graph: LayerGraph, cluster: ClusterSpec) -> tuple[str, ...]:
+    """Plain words for a heterogeneous plan: which pipeline ranks run on which group with how many blocks,
+    and the launch order the stage placement assumes (ranks numbered group after group)."""
+    if not cluster.groups or not plan.stages:
+        return ()
+    blocks = {layer.name for layer in graph.blocks}
+    owner = stage_ranks(plan.config)
+    per_rank = [0] * plan.config.pp
+    group_of = [""] * plan.config.pp
+    for stage in plan.stages:
+        per_rank[owner[stage.index]] += sum(1 for n in stage.layer_names if n in blocks)
+        group_of[owner[stage.index]] = stage.group
+    parts = []
+    for group in cluster.groups:
+        mine = [r for r in range(plan.config.pp) if group_of[r] == group.name]
+        if mine:
+            parts.append(f"pipeline rank{'s' if len(mine) > 1 else ''} {_span(mine)} on {group.name} "
+                         f"({'/'.join(str(per_rank[r]) for r in mine)} blocks)")
+    start, order = 0, []
+    for group in cluster.groups:
+        order.append(f"{group.name} as ranks {start}-{start + group.num_devices - 1}")
+        start += group.num_devices
+    note = (f"Node groups: {'; '.join(parts)}: stages sized by each group's speed and memory. Launch "
+            f"{', then '.join(order)} (node ranks in that order).")
+    return (note,)
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])

@@ -16,7 +16,7 @@ import numpy as np
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
 from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute
-from autoplan.search.hetero import plan_stages
+from autoplan.search.hetero import group_notes, plan_stages
 from autoplan.search.notes import nothing_fits_message, plan_notes
 from autoplan.search.refine import refine
 from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space
@@ -70,8 +70,8 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     ranked = fold_ties(sorted(found, key=_rank_key))[:options.top_k]
     plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost, folded=folded)
              for i, (cand, folded) in enumerate(ranked)]
-    return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost))
-                 for p, (cand, _) in zip(plans, ranked))
+    return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost)
+                         + group_notes(p, graph, cluster)) for p, (cand, _) in zip(plans, ranked))
 
 
 def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, status) -> list[Candidate]:

@@ -16,6 +16,7 @@ from test_search_stages import problems
 
 from autoplan.cluster import Cluster
 from autoplan.cost import estimate_config, estimate_layer, rank_groups
+from autoplan.plan.export import export_plan
 from autoplan.plan.io import plan_from_json, plan_to_json
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.api import autoplan
@@ -131,6 +132,8 @@ def test_faster_group_gets_more_layers_by_hand() -> None:
     assert blocks == [k_hand, 16 - k_hand]
     assert [s.group for s in best.stages] == ["a100-test", "fast-test"]
     assert plan_from_json(plan_to_json(best)) == best  # the groups survive the JSON round trip
+    assert "Node groups: pipeline rank 0 on a100-test (4 blocks); pipeline rank 1 on fast-test (12" in best.notes[-1]
+    assert any("node groups a100-test, fast-test" in n for n in export_plan(best, "megatron").notes)
 
     def one_f_one_b(x: list[float]) -> float:  # Narayanan et al. 2021 for unequal ranks: m max X + fill / drain
         return m * max(x) + sum(x) - max(x)
