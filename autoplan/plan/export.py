@@ -107,8 +107,9 @@ def _group_note(plan: Plan) -> list[str]:
     groups = list(dict.fromkeys(s.group for s in plan.stages if s.group))
     if not groups:
         return []
-    return [f"the stages are sized for node groups {', '.join(groups)} (ranks numbered group after group): no "
-            f"engine option says which node is which; launch the nodes in that order (node rank 0 first)"]
+    note = (f"the stages are sized for node groups {', '.join(groups)} (ranks numbered group after group): no "
+            f"engine option says which node is which; launch the nodes in that order (node rank 0 first)")
+    return [note]
 
 
 def export_plan(plan: Plan, engine: str) -> Export:

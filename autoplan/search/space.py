@@ -207,6 +207,6 @@ def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOpti
         rows[:, 9] = sched_v[:, 1]
         rows[:, 10] = grid[:, 2]
         rows[:, 11:] = 0
-        blocks += with_expert_layouts(rows, expert_layouts(graph, options, tp, pp, dp, cp, ep))
+        blocks += with_expert_layouts(rows, expert_layouts(graph, options, tp, pp, dp, cp, ep, cluster.devices_per_node))
     table = np.concatenate(blocks) if blocks else np.zeros((0, len(COLUMNS)), dtype=np.int64)
     return Space({name: table[:, i] for i, name in enumerate(COLUMNS)})

@@ -174,9 +174,13 @@ def test_expert_states_shard_over_the_expert_data_parallel_group() -> None:
 
 def test_expert_layouts_by_the_rules() -> None:
     opts = SearchOptions(global_batch=8)
-    assert expert_layouts(MOE, opts, tp=2, pp=1, dp=2, cp=1, ep=1) == ((0, 0), (1, 2), (1, 4))
+    every = dataclasses.replace(opts, eep=(2, 4, 8))
+    assert expert_layouts(MOE, every, tp=2, pp=1, dp=2, cp=1, ep=1) == ((0, 0), (1, 2), (1, 4))
+    # by default only the largest in-node expert group: 4 of the 4 stage ranks (8 per node), 2 of 4 per node
+    assert expert_layouts(MOE, opts, tp=2, pp=1, dp=2, cp=1, ep=1) == ((0, 0), (1, 4))
+    assert expert_layouts(MOE, opts, tp=2, pp=1, dp=2, cp=1, ep=1, per_node=2) == ((0, 0), (1, 2))
     # cp > 1: etp = tp is a layout of its own (the unfolded ep axis lies outside cp)
-    assert expert_layouts(MOE, opts, tp=1, pp=1, dp=2, cp=2, ep=1) == ((0, 0), (1, 2), (1, 4))
+    assert expert_layouts(MOE, every, tp=1, pp=1, dp=2, cp=2, ep=1) == ((0, 0), (1, 2), (1, 4))
     assert expert_layouts(MOE, opts, tp=1, pp=1, dp=4, cp=1, ep=1) == ((0, 0),)  # etp 1 = tp, cp 1: unfolded ep
     assert expert_layouts(MOE, opts, tp=2, pp=1, dp=2, cp=1, ep=2) == ((0, 0),)
     assert expert_layouts(MOE, dataclasses.replace(opts, fold_experts=False), tp=2, pp=1, dp=2, cp=1, ep=1) == ((0, 0),)
@@ -190,7 +194,7 @@ def test_folded_candidates_are_listed_once_and_priced_like_the_exact_model() -> 
     configs = [space.config(i) for i in range(len(space))]
     assert len(set(configs)) == len(configs)
     folded = [i for i, c in enumerate(configs) if c.folded]
-    expected = {(tp, 8 // tp, eep) for tp in (2, 4, 8) for eep in (2, 4, 8)}  # etp 1 < tp, eep | 8
+    expected = {(tp, 8 // tp, 8) for tp in (2, 4, 8)}  # etp 1 < tp; eep: the largest in-node group
     assert {(configs[i].tp, configs[i].dp, configs[i].expert_ep) for i in folded} == expected
     quick = quick_estimate(MOE, cluster, space, 8, cost)
     for i in folded[:: max(1, len(folded) // 12)]:
@@ -202,7 +206,8 @@ def test_folded_candidates_are_listed_once_and_priced_like_the_exact_model() -> 
 def test_the_mesh_product_is_every_stage_rank_split() -> None:
     """Every folded layout the space lists divides the stage's ranks, as brute force over (etp, eep) says."""
     for tp, dp in itertools.product((1, 2, 4), (1, 2, 4)):
-        got = set(expert_layouts(MOE, SearchOptions(global_batch=8, etp=None), tp=tp, pp=1, dp=dp, cp=1, ep=1))
+        got = set(expert_layouts(MOE, SearchOptions(global_batch=8, etp=None, eep=(2, 4, 8)), tp=tp, pp=1, dp=dp,
+                                 cp=1, ep=1))
         brute = {(0, 0)} | {(etp, eep) for etp in (1, 2, 4) for eep in (2, 4, 8)
                             if tp % etp == 0 and (dp * tp) % (etp * eep) == 0 and etp != tp}
         assert got == brute, (tp, dp)
