@@ -112,8 +112,12 @@ class _GatherRows(torch.autograd.Function):
         return grad.chunk(ctx.mesh.size())[ctx.mesh.get_local_rank()].contiguous(), None
 
 
+# torch >= 2.10 renamed the dim-0 all-gather (the old name warns there and is all torch 2.6 has)
+_all_gather = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 def _gather_rows(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return funcol.wait_tensor(funcol.all_gather_tensor(x.contiguous(), 0, mesh.get_group()))
+    return funcol.wait_tensor(_all_gather(x.contiguous(), 0, mesh.get_group()))
 
 
 class ExpertParallel(nn.Module):
