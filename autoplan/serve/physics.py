@@ -6,13 +6,21 @@ average) through every block of a tp-sharded instance. Per block and device:
 - GEMMs hold the dense weights (QKV, output, MLP up/gate and down: 4 fused GEMMs) and take
   max(2 T W / (peak x matmul_efficiency), (W x bytes + activations) / achievable bandwidth)
   (Williams et al., "Roofline", CACM 2009): decode (small T) reads the weights once per step and is
-  memory-bound; prefill (large T) is compute-bound. Achievable bandwidth is the profile's
-  mem_bw_bytes_per_s x mem_bw_efficiency (a STREAM-like measurement), never the datasheet peak.
+  memory-bound; prefill (large T) is compute-bound. The weights stream at the bandwidth the engine's
+  GEMM library reaches at small M (engine gemm_bw_efficiency / gemm_bw_efficiency_8bit x datasheet
+  bandwidth: an fp8 GEMV reaches less of it than a bf16 one), else the device's STREAM-like
+  mem_bw_efficiency; never the datasheet peak. Under 8-bit weights an engine may add activation
+  quantization kernels (quant_kernels_per_block). The embedding and LM head keep their own width
+  (ServeModel.ends_bytes: fp8 checkpoints leave lm_head in 16 bits).
 - Routed experts (MoE): T tokens pick top_k of E experts; the step reads only the experts some token
   picked, E (1 - (1 - k/E)^T) of them in expectation under uniform routing (the occupancy of E bins
   after T k/E-probability draws per bin), so a decode step of few tokens reads a small share.
 - Attention: decode reads the KV cache, B x context x 2 x kv_heads_per_rank x d x bytes per layer,
-  memory-bound (Kwon et al., SOSP'23); prefill computes 4 C ctx a d / tp FLOPs (QK^T and PV, 2 FLOPs
+  memory-bound (Kwon et al., SOSP'23) unless its 4 B ctx a d / tp FLOPs bind: on tensor cores, or on
+  CUDA cores (the fp32 peak) for engines whose decode kernel has none (TensorRT-LLM before its XQA
+  kernel: docs/source/blogs/XQA-kernel.md "using tensor cores for acceleration"; vLLM's
+  csrc/attention paged_attention_v1/v2 dot products); GQA groups reuse each K/V element a / g times,
+  so CUDA-core kernels become compute-bound at large groups. Prefill computes 4 C ctx a d / tp FLOPs (QK^T and PV, 2 FLOPs
   per multiply-add; causal: a token attends to ctx ~ prefix + chunk / 2 keys) at attention_efficiency.
 - Norms and residual adds: 10 h elements read or written per token (cost.compute.block_elementwise_bytes).
 - Tensor parallelism: two all-reduces of T x h activations per block (row-parallel output projection
@@ -61,6 +69,21 @@ class Hardware:
         dev = self.cluster.device
         return dev.mem_bw_bytes_per_s * dev.mem_bw_efficiency
 
+    def gemm_bw(self, weight_bytes: float) -> float:
+        """Bandwidth at which decode GEMMs stream weights of `weight_bytes` bytes each: the engine's
+        measured small-M GEMM efficiency for that width times the datasheet bandwidth, else bw."""
+        eng = self.engine
+        fraction = eng.gemm_bw_efficiency_8bit if weight_bytes < 2 else eng.gemm_bw_efficiency
+        return self.cluster.device.mem_bw_bytes_per_s * fraction if fraction > 0 else self.bw
+
+    @property
+    def decode_attention_flops(self) -> float:
+        """FLOP/s of decode attention: tensor cores in the activation dtype, or the CUDA cores' fp32
+        peak for an engine whose decode kernel uses none; times the device's attention_efficiency."""
+        dev = self.cluster.device
+        peak = self.attention_peak_flops if self.engine.decode_attention_tensor_cores else dev.peak("fp32")
+        return peak * dev.attention_efficiency
+
 
 def gemm_peak_flops(cluster: ClusterSpec, weight_dtype_bytes: float, act_dtype: str) -> float:
     """FP8 tensor-core peak for 1-byte weights on a device that has one, else the activation dtype's."""
@@ -96,14 +119,14 @@ def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def _roofline_s(flops: float, nbytes: float, hw: Hardware) -> float:
+def _roofline_s(flops: float, nbytes: float, hw: Hardware, bw: float | None = None) -> float:
     """max(FLOPs at the large-GEMM efficiency, bytes at achievable bandwidth). The training cost model's
     size curve (cost.compute.matmul_efficiency) is not applied: it reads a small FLOP count as a GEMM
     that under-fills the SMs, but a decode GEMM is small only in M and its kernels split N and K over
     every SM (its fixed per-kernel cost is kernel_launch_s)."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
-    return max(flops / (hw.peak_flops * hw.cluster.device.matmul_efficiency), nbytes / hw.bw)
+    return max(flops / (hw.peak_flops * hw.cluster.device.matmul_efficiency), nbytes / (bw or hw.bw))
 
 
 def touched_experts(num_experts: int, top_k: int, tokens: float) -> float:
@@ -134,21 +157,22 @@ def block_s(group: BlockGroup, model: ServeModel, it: Iteration, *, tp: int, ep:
     w_dense = group.dense_params / tp
     act_traffic = t * act * (4 * group.h + ((2 * group.a + 2 * group.g) * group.d + group.n_mlp * group.f) / tp)
     flops = 2.0 * t * w_dense
-    out = {"gemm": _roofline_s(flops, w_dense * wb + act_traffic, hw)}
+    out = {"gemm": _roofline_s(flops, w_dense * wb + act_traffic, hw, hw.gemm_bw(wb))}
     if group.num_experts:
         out["experts"] = _experts_s(group, model, t, tp=tp, ep=ep, hw=hw)
     kv_per_token = 2.0 * kv_heads_per_rank(group.g, tp) * group.d * model.kv_bytes
     heads = group.a / tp
     dev = hw.cluster.device
     dec_flops = 4.0 * it.decode * it.decode_context * heads * group.d
-    out["kv_read"] = max(dec_flops / (hw.attention_peak_flops * dev.attention_efficiency),
+    out["kv_read"] = max(dec_flops / hw.decode_attention_flops,
                          it.decode * it.decode_context * kv_per_token / hw.bw)
     pre_flops = 4.0 * it.prefill * it.prefill_context * heads * group.d
     out["attention"] = pre_flops / (hw.attention_peak_flops * dev.attention_efficiency) + \
         it.prefill * kv_per_token / hw.bw
     out["elementwise"] = t * _ELEMENTWISE_PER_TOKEN * group.h * act / hw.bw
     out["allreduce"] = 2.0 * allreduce_s(t * group.h * act, tp, hw)
-    out["launch"] = hw.engine.kernels_per_block * hw.engine.kernel_launch_s
+    kernels = hw.engine.kernels_per_block + (hw.engine.quant_kernels_per_block if wb < 2 else 0)
+    out["launch"] = kernels * hw.engine.kernel_launch_s
     return out
 
 
@@ -160,7 +184,7 @@ def _experts_s(group: BlockGroup, model: ServeModel, tokens: float, *, tp: int, 
     per_expert = group.params_per_expert / tp
     flops = 2.0 * routed * per_expert
     nbytes = touched * per_expert * model.weight_bytes + 3.0 * routed * group.h * model.act_bytes / max(ep, 1)
-    return _roofline_s(flops, nbytes, hw)
+    return _roofline_s(flops, nbytes, hw, hw.gemm_bw(model.weight_bytes))
 
 
 def ends_s(model: ServeModel, it: Iteration, *, tp: int, hw: Hardware) -> dict[str, float]:
@@ -170,7 +194,8 @@ def ends_s(model: ServeModel, it: Iteration, *, tp: int, hw: Hardware) -> dict[s
     h, v = model.hidden_size, model.vocab_size
     head_w = model.head_params / tp
     flops = 2.0 * it.sampled * head_w
-    head = _roofline_s(flops, head_w * model.weight_bytes + it.sampled * v / tp * 4.0, hw)
+    wb = model.ends_weight_bytes
+    head = _roofline_s(flops, head_w * wb + it.sampled * v / tp * 4.0, hw, hw.gemm_bw(wb))
     gather = all_gather_s(it.sampled * v * 4.0, tp_group(tp, hw.cluster), hw.cluster) if tp > 1 else 0.0
     return {"lm_head": head + gather, "allreduce": allreduce_s(t * h * model.act_bytes, tp, hw)}
 
