@@ -17,7 +17,7 @@ from typing_extensions import Self
 
 from autoplan.serve.engine import load_engine
 from autoplan.serve.model import serve_model
-from autoplan.serve.physics import Hardware, gemm_peak_flops
+from autoplan.serve.physics import Hardware, gemm_efficiency, gemm_peak_flops
 from autoplan.serve.plan import ServePlan
 from autoplan.serve.search import Scored, ServeSearchOptions, min_devices, search
 from autoplan.serve.types import ServeConfig, ServeEstimate, ServeModel, Workload
@@ -85,7 +85,8 @@ def load_serving(model: Any, cluster: Any, engine: Any = None, **options: Any) -
         graph = model if isinstance(model, LayerGraph) else model_graph(model, _CAPTURE_SEQ_LEN)
         served = serve_model(graph, weight_dtype=dtype, kv_dtype=options.get("kv_dtype"), act_dtype=act)
     hw = Hardware(cluster=spec, engine=eng, peak_flops=gemm_peak_flops(spec, served.weight_bytes, act),
-                  attention_peak_flops=spec.device.peak(act))
+                  attention_peak_flops=spec.device.peak(act),
+                  gemm_efficiency=gemm_efficiency(spec, served.weight_bytes))
     return served, hw
 
 

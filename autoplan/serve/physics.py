@@ -52,6 +52,13 @@ from autoplan.serve.types import BlockGroup, ServeEngine, ServeModel
 # "NVIDIA H200" datasheet (2024): FP8 3,958 TFLOPS with sparsity -> 1,979 dense. A device without FP8
 # (A100) runs fp8 weights with 16-bit math (weight-only kernels, e.g. vLLM's Marlin fp8), its bf16 peak.
 FP8_PEAK_FLOPS = {"H100-SXM5-80GB": 1979e12, "H200-SXM-141GB": 1979e12}
+# Achieved share of that FP8 peak by large (compute-bound) FP8 GEMMs: DeepGEMM README (first release,
+# H800 = H100 SXM compute, dense M = 4096 shapes): DeepGEMM reaches 990-1358 TFLOPS, 1.0-1.2x the
+# CUTLASS 3.6 kernels the engines use. For the shapes of 8B-70B projections (K and N of 4-16 k: its
+# 4096 x 7168 and 7168 x 16384 rows, 1304 and 1358 TFLOPS at speedups 1.1x and 1.2x) CUTLASS reaches
+# 1185 and 1132 TFLOPS = 0.57-0.60 of 1979: 0.57. Lower than bf16's profile matmul_efficiency (0.70
+# of 989): fp8 tensor cores double the math rate, not the data movement and scaling around it.
+FP8_MATMUL_EFFICIENCY = 0.57
 _ELEMENTWISE_PER_TOKEN = 10  # x h elements: 2 norms (read + write h) and 2 residual adds (read 2h, write h)
 
 
@@ -63,6 +70,11 @@ class Hardware:
     engine: ServeEngine
     peak_flops: float  # GEMMs (fp8 tensor cores for fp8 weights where the device has them)
     attention_peak_flops: float  # attention runs in the activation dtype
+    gemm_efficiency: float = 0.0  # achieved share of peak_flops by large GEMMs; 0: the device's matmul_efficiency
+
+    @property
+    def gemm_flops(self) -> float:
+        return self.peak_flops * (self.gemm_efficiency or self.cluster.device.matmul_efficiency)
 
     @property
     def bw(self) -> float:
@@ -92,6 +104,11 @@ def gemm_peak_flops(cluster: ClusterSpec, weight_dtype_bytes: float, act_dtype: 
     return cluster.device.peak(act_dtype)
 
 
+def gemm_efficiency(cluster: ClusterSpec, weight_dtype_bytes: float) -> float:
+    """FP8_MATMUL_EFFICIENCY where fp8 tensor cores run the GEMMs, else 0 (the device's matmul_efficiency)."""
+    return FP8_MATMUL_EFFICIENCY if weight_dtype_bytes == 1.0 and cluster.device.name in FP8_PEAK_FLOPS else 0.0
+
+
 def tp_group(tp: int, cluster: ClusterSpec) -> GroupPlacement:
     per_node = min(tp, cluster.devices_per_node)
     return GroupPlacement(size=tp, num_nodes=math.ceil(tp / per_node), per_node=per_node)
@@ -99,15 +116,21 @@ def tp_group(tp: int, cluster: ClusterSpec) -> GroupPlacement:
 
 def allreduce_s(nbytes: float, tp: int, hw: Hardware) -> float:
     """One all-reduce of `nbytes` over the tp group: the engine's measured custom all-reduce (linear
-    interpolation in its table, extrapolated along the last segment) for messages up to
-    custom_allreduce_max_bytes inside a node, else NCCL's ring on the cluster's links."""
+    interpolation in its table) for messages up to custom_allreduce_max_bytes inside a node, else
+    NCCL's ring on the cluster's links. Past the table's largest message the custom kernels switch to
+    their bandwidth-bound two-shot form (vLLM custom_all_reduce.cuh cross_device_reduce_2stage,
+    TensorRT-LLM twoShotAllReduceKernel): the ring's bandwidth term with the table's last latency as
+    a floor, never the steeper one-shot slope of the table's small messages extrapolated."""
     if tp <= 1 or nbytes <= 0:
         return 0.0
     group = tp_group(tp, hw.cluster)
+    ring = all_reduce_s(nbytes, group, hw.cluster)
     table = dict(hw.engine.allreduce_table).get(tp)
     if table and not group.crosses_nodes and nbytes <= hw.engine.custom_allreduce_max_bytes:
-        return _interpolate(table, nbytes)
-    return all_reduce_s(nbytes, group, hw.cluster)
+        if nbytes <= table[-1][0]:
+            return _interpolate(table, nbytes)
+        return min(_interpolate(table, nbytes), max(table[-1][1], ring))
+    return ring
 
 
 def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
@@ -126,7 +149,7 @@ def _roofline_s(flops: float, nbytes: float, hw: Hardware, bw: float | None = No
     every SM (its fixed per-kernel cost is kernel_launch_s)."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
-    return max(flops / (hw.peak_flops * hw.cluster.device.matmul_efficiency), nbytes / (bw or hw.bw))
+    return max(flops / hw.gemm_flops, nbytes / (bw or hw.bw))
 
 
 def touched_experts(num_experts: int, top_k: int, tokens: float) -> float:
