@@ -23,6 +23,11 @@ def register(subparsers: Any) -> None:
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--concurrency", type=int, help="clients in a closed loop")
     load.add_argument("--rate", type=float, help="Poisson arrivals, requests/s")
+    p.add_argument("--burstiness", type=float, default=None, metavar="K",
+                   help="with --rate: gamma shape of arrival gaps (1 = Poisson, < 1 burstier; vLLM benchmark_serving's "
+                        "--burstiness); != 1 evaluates the queue by discrete-event simulation")
+    p.add_argument("--simulate", action="store_true", default=None,
+                   help="evaluate the queue by discrete-event simulation instead of Little's law")
     p.add_argument("--ttft-slo", dest="ttft_slo", type=float, default=None, metavar="S", help="TTFT limit, seconds")
     p.add_argument("--tpot-slo", dest="tpot_slo", type=float, default=None, metavar="S", help="TPOT limit, seconds")
     p.add_argument("--engine", default=None, metavar="NAME|PATH", help="vllm (default), sglang, tensorrt-llm, or a YAML")
@@ -48,7 +53,8 @@ def register(subparsers: Any) -> None:
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"num_nodes": args.nodes}
-    for name in ("devices_per_node", "dtype", "kv_dtype", "tp", "pp", "ep", "replicas", "max_batch", "disaggregated"):
+    for name in ("devices_per_node", "dtype", "kv_dtype", "tp", "pp", "ep", "replicas", "max_batch", "disaggregated",
+                 "burstiness", "simulate"):
         value = getattr(args, name)
         if value is not None:
             out[name] = tuple(value) if isinstance(value, list) else value
@@ -60,6 +66,10 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.burstiness is not None and not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be a positive number (1 = Poisson), got {args.burstiness}")
+    if args.burstiness is not None and args.rate is None:
+        raise ValueError("--burstiness shapes open-loop arrivals: give --rate, not --concurrency")
     if args.run and args.concurrency is None:
         raise ValueError("--run times a static batch of --concurrency prompts: give --concurrency, not --rate")
     if args.run and ":" in args.model:

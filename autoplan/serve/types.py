@@ -207,6 +207,15 @@ class Workload:
     output_len: int
     concurrency: int | None = None
     rate: float | None = None
+    # open loop: gamma inter-arrival gaps of this shape (vLLM benchmark_serving --burstiness; 1 = Poisson)
+    burstiness: float = 1.0
+    # evaluate the queue with the discrete-event simulation (autoplan.serve.simulate) instead of Little's
+    # law and M/D/1; implied by burstiness != 1
+    simulate: bool = False
+
+    @property
+    def simulated(self) -> bool:
+        return self.simulate or self.burstiness != 1.0
 
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len"):
@@ -220,6 +229,10 @@ class Workload:
             raise ValueError(f"concurrency must be a positive integer, got {self.concurrency!r}")
         if self.rate is not None and not (isinstance(self.rate, (int, float)) and self.rate > 0):
             raise ValueError(f"rate must be a positive number of requests/s, got {self.rate!r}")
+        if isinstance(self.burstiness, bool) or not isinstance(self.burstiness, (int, float)) or not self.burstiness > 0:
+            raise ValueError(f"burstiness must be a positive number (1 = Poisson), got {self.burstiness!r}")
+        if self.burstiness != 1.0 and self.rate is None:
+            raise ValueError("burstiness shapes open-loop arrivals: give rate (requests/s), not concurrency")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
