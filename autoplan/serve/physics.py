@@ -33,7 +33,8 @@ average) through every block of a tp-sharded instance. Per block and device:
 - Host: every iteration pays the engine's exposed step overhead (scheduler, sampling, sync); an
   engine without compiled graphs (eager) is bound below by its op count x the device's op_overhead_s.
 Pipeline parallelism: a request passes the pp stages in turn, so a lane's iteration is the whole model's
-time plus (pp - 1) point-to-point sends of T x h activations; pp lanes (micro-batches) run at once.
+time plus (pp - 1) point-to-point sends of T x h activations and one of the sampled tokens back to the
+first stage (blocking, so added after the eager host floor); pp lanes (micro-batches) run at once.
 """
 
 from __future__ import annotations
@@ -235,17 +236,25 @@ def lane_step_s(model: ServeModel, it: Iteration, *, tp: int, pp: int, ep: int,
         ops += group.count * group.ops_per_block
     for key, value in ends_s(model, it, tp=tp, hw=hw).items():
         parts[key] = parts.get(key, 0.0) + value
-    t = it.decode + it.prefill
-    if pp > 1:
-        crosses = tp * pp > hw.cluster.devices_per_node
-        parts["pipeline"] = (pp - 1) * p2p_s(t * model.hidden_size * model.act_bytes, crosses, hw.cluster)
     device = sum(parts.values())
     host = ops * hw.cluster.device.op_overhead_s if hw.engine.cuda_graph_max_batch == 0 else 0.0
     if host > device:
         parts["host_ops"] = host - device
+    if pp > 1:  # blocking sends between the stages: on top of each stage's own time, never hidden by it
+        parts["pipeline"] = pipeline_s(model, it, tp=tp, pp=pp, hw=hw)
     seqs = it.decode + (1.0 if it.prefill > 0 else 0.0)
     parts["step_overhead"] = hw.engine.step_overhead_s + hw.engine.step_overhead_per_seq_s * seqs
     return sum(parts.values()), parts
+
+
+def pipeline_s(model: ServeModel, it: Iteration, *, tp: int, pp: int, hw: Hardware) -> float:
+    """A lane's point-to-point traffic per iteration: (pp - 1) sends of the T x h residual stream
+    between consecutive stages, and one of the sampled token ids (8 bytes each) from the last stage
+    back to the first, which builds the next iteration's input (vLLM's last pipeline rank samples and
+    broadcasts the tokens to the driver; autoplan.execute.serve sends them back)."""
+    crosses = tp * pp > hw.cluster.devices_per_node
+    hidden = (it.decode + it.prefill) * model.hidden_size * model.act_bytes
+    return (pp - 1) * p2p_s(hidden, crosses, hw.cluster) + p2p_s(max(it.sampled, 1.0) * 8.0, crosses, hw.cluster)
 
 
 def kv_transfer_s(model: ServeModel, tokens: float, *, sender: tuple[int, int], receiver: tuple[int, int],

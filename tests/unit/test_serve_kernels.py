@@ -85,3 +85,15 @@ def test_cuda_core_decode_attention_is_bound_by_the_fp32_peak_for_big_gqa_groups
     assert cores["kv_read"] == pytest.approx(flops / (67e12 * 0.5))
     assert tensor["kv_read"] == pytest.approx(kv / (3.35e12 * 0.85))  # memory-bound on tensor cores
     assert cores["kv_read"] > 1.3 * tensor["kv_read"]
+
+
+def test_pipeline_pays_the_stage_sends_and_the_token_back() -> None:
+    from autoplan.cost.comm import p2p_s
+
+    it = Iteration(decode=4, decode_context=100, sampled=4)
+    hw = _hw(bare_engine())
+    one = lane_step_s(LLAMA3_8B, it, tp=1, pp=1, ep=1, hw=hw)[0]
+    three, parts = lane_step_s(LLAMA3_8B, it, tp=1, pp=3, ep=1, hw=hw)
+    sends = 2 * p2p_s(4 * 4096 * 2, False, H100) + p2p_s(4 * 8, False, H100)  # 2 hidden hand-offs + tokens
+    assert parts["pipeline"] == pytest.approx(sends)
+    assert three == pytest.approx(one + sends)
