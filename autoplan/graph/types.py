@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class LayerRole(str, Enum):
@@ -80,6 +81,9 @@ class LayerGraph:
     num_nodes: int = 0  # graph nodes captured (for reporting)
     capture_method: str = ""  # "export", "symbolic_trace", ...
     notes: tuple[str, ...] = field(default_factory=tuple)
+    # the user inputs the model was traced with, (name, shape) per input: for a model without tokens
+    # (a ViT, a ResNet) the assumed image shape [microbatch, C, H, W] that the reports print
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
     def num_params(self) -> int:
@@ -99,3 +103,82 @@ class LayerGraph:
         for layer in self.layers:
             out.setdefault(layer.kind, []).append(layer)
         return {k: tuple(v) for k, v in out.items()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Component:
+    """One component of a model (a vision tower, a projector, a language model): the module paths it
+    covers and its own layer graph, captured with the rest of the model in one trace."""
+
+    name: str  # its first module path, e.g. "model.vision_tower"
+    module_paths: tuple[str, ...]
+    graph: LayerGraph  # seq_len is the component's own sequence (image patches for a vision tower)
+
+    @property
+    def fwd_flops(self) -> float:
+        return self.graph.fwd_flops
+
+    @property
+    def has_blocks(self) -> bool:
+        """Holds repeated blocks (a tower or a language model), not only a connector like a projector."""
+        return bool(self.graph.blocks) and len(self.graph.blocks) >= 2
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComponentEdge:
+    """Activations flowing from one component to another: bytes per microbatch of
+    ComponentGraph.microbatch samples in the forward (the backward returns as many gradient bytes)."""
+
+    src: str
+    dst: str
+    activation_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComponentGraph:
+    """A model as a DAG of components (vision tower -> projector -> language model; or a sensor branch and
+    a vision branch both feeding a policy), each with its own LayerGraph, plus the edges between them.
+    A single-chain model is one component and no edges. `components` are in the model's forward order,
+    which is a topological order of the DAG."""
+
+    model_name: str
+    components: tuple[Component, ...]
+    edges: tuple[ComponentEdge, ...] = ()
+    microbatch: int = 1
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.components]
+        if len(set(names)) != len(names):
+            raise ValueError(f"component names must be unique, got {names}")
+        for edge in self.edges:
+            if edge.src not in names or edge.dst not in names:
+                raise ValueError(f"edge {edge.src} -> {edge.dst} names a component not in {names}")
+            if names.index(edge.src) >= names.index(edge.dst):
+                raise ValueError(f"edge {edge.src} -> {edge.dst} runs against the forward order {names}")
+
+    @property
+    def is_single(self) -> bool:
+        return len(self.components) == 1
+
+    def component(self, name: str) -> Component:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"no component {name!r}: have {[c.name for c in self.components]}")
+
+    def dag(self) -> Any:
+        """The DAG as a networkx.DiGraph: nodes are component names (attribute `component`), edges carry
+        `activation_bytes`."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for c in self.components:
+            g.add_node(c.name, component=c)
+        for e in self.edges:
+            g.add_edge(e.src, e.dst, activation_bytes=e.activation_bytes)
+        return g
+
+    def edge_bytes(self, src: str, dst: str) -> int:
+        return sum(e.activation_bytes for e in self.edges if e.src == src and e.dst == dst)
