@@ -27,11 +27,15 @@ def explain(plan: Plan) -> str:
     """Several lines: what the plan is, its predicted cost, and why the search chose it."""
     e = plan.estimate
     head = f"Plan #{plan.rank}" if plan.rank else "Plan"
+    samples = plan.unit == "samples"
+    batch = (f"{plan.global_batch} samples of " + ", ".join(f"{n} {list(s)[1:]}" for n, s in plan.input_shapes)
+             if samples else f"{plan.global_batch} x {plan.seq_len} tokens")
+    rate = f"{plan.samples_per_s:,.1f} samples/s" if samples else f"{e.tokens_per_s:,.0f} tokens/s"
     lines = [
         (f"{head} for {plan.model_name} on {plan.num_devices} devices ({plan.cluster_name}), global batch "
-         f"{plan.global_batch} x {plan.seq_len} tokens:"),
+         f"{batch}:"),
         f"  {describe_config(plan)}",
-        (f"  step {e.step_time_s:.3f} s, {e.tokens_per_s:,.0f} tokens/s, MFU {e.mfu:.1%}, "
+        (f"  step {e.step_time_s:.3f} s, {rate}, MFU {e.mfu:.1%}, "
          f"{e.peak_mem_bytes / _GIB:.1f} of {e.mem_capacity_bytes / _GIB:.0f} GiB per device"
          + ("" if e.fits else " (DOES NOT FIT)")),
         "  time: " + ", ".join(f"{_CAUSES.get(k, k)} {v:.3g} s" for k, v in e.breakdown.items() if v > 0),

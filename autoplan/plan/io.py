@@ -16,7 +16,7 @@ SCHEMA_VERSION = 1
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    return {
+    out = {
         "schema_version": SCHEMA_VERSION,
         "model_name": plan.model_name,
         "cluster_name": plan.cluster_name,
@@ -30,6 +30,12 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "estimate": plan.estimate.to_dict(),
         "notes": list(plan.notes),
     }
+    # written only when set, so plans of language models keep their JSON byte for byte
+    if plan.input_shapes:
+        out["input_shapes"] = [[name, list(shape)] for name, shape in plan.input_shapes]
+    if plan.unit != "tokens":
+        out["unit"] = plan.unit
+    return out
 
 
 def plan_from_dict(data: dict[str, Any]) -> Plan:
@@ -50,6 +56,8 @@ def plan_from_dict(data: dict[str, Any]) -> Plan:
             layer_recompute=tuple((n, r) for n, r in data.get("layer_recompute", ())),
             rank=data.get("rank", 0),
             notes=tuple(data.get("notes", ())),
+            input_shapes=tuple((n, tuple(s)) for n, s in data.get("input_shapes", ())),
+            unit=data.get("unit", "tokens"),
         )
     except KeyError as exc:
         raise ValueError(f"plan JSON lacks the field {exc.args[0]!r}") from None

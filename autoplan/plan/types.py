@@ -282,8 +282,15 @@ class Plan:
     layer_recompute: tuple[tuple[str, Recompute], ...] = ()
     rank: int = 0  # 1 = best; 0 when not from a search
     notes: tuple[str, ...] = ()  # plain-language reasons, filled by the search
+    # the model's inputs per sample as traced, (name, shape of a microbatch of 1): what a model without
+    # tokens (a ViT, a ResNet) was assumed to take; and the unit its throughput is reported in
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    unit: str = "tokens"  # "tokens" (language models) or "samples" (images, feature vectors)
 
     def __post_init__(self) -> None:
+        if self.unit not in ("tokens", "samples"):
+            raise ValueError(f"unit must be 'tokens' or 'samples', got {self.unit!r}")
+        object.__setattr__(self, "input_shapes", tuple((str(n), tuple(s)) for n, s in self.input_shapes))
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(
             self,
@@ -291,6 +298,11 @@ class Plan:
             tuple((str(n), _parse_enum(Recompute, r, "recompute mode")) for n, r in self.layer_recompute),
         )
         object.__setattr__(self, "notes", tuple(self.notes))
+
+    @property
+    def samples_per_s(self) -> float:
+        """Samples (sequences, images) per second: global_batch / step time."""
+        return self.global_batch / self.estimate.step_time_s
 
     def recompute_for(self, layer_name: str) -> Recompute:
         return dict(self.layer_recompute).get(layer_name, self.config.recompute)

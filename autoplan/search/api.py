@@ -130,7 +130,16 @@ def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k
     search_options, cluster_options = _split_options(options)
     spec = load_cluster(cluster, **cluster_options)
     opts = SearchOptions(global_batch=global_batch, top_k=top_k, **search_options)
-    return Plans(search(model_graph(model, seq_len), spec, opts))
+    graph = model_graph(model, seq_len)
+    return Plans(with_units(graph, p) for p in search(graph, spec, opts))
+
+
+def with_units(graph: LayerGraph, plan: Plan) -> Plan:
+    """A model without token ids (no embedding: a ViT, a ResNet) reports samples/s and the input shape
+    it was traced with; language models' plans are returned as they are."""
+    if graph.vocab_size:
+        return plan
+    return dataclasses.replace(plan, unit="samples", input_shapes=graph.input_shapes)
 
 
 def check_config(config: ParallelConfig, cluster: ClusterSpec, global_batch: int) -> None:

@@ -36,16 +36,19 @@ def plans_table(plans: Sequence[Plan]) -> Any:
         p = plans[0]
         title = (f"{p.model_name} on {p.num_devices} x {p.cluster_name}, global batch {p.global_batch}, "
                  f"seq {p.seq_len}")
+        if p.unit == "samples":  # no tokens: say what one sample was assumed to be
+            title += ", input " + ", ".join(f"{n} {list(s)}" for n, s in p.input_shapes) + " per sample"
+    samples = bool(plans) and plans[0].unit == "samples"
     table = Table(title=title)
     for name in ("#", "tp", "pp", "dp", "cp", "ep", "sp", "zero", "mb", "schedule", "recompute", "step s",
-                 "tokens/s", "MFU", "mem GiB", "top causes"):
+                 "samples/s" if samples else "tokens/s", "MFU", "mem GiB", "top causes"):
         table.add_column(name, justify="left" if name in ("schedule", "recompute", "top causes") else "right")
     for p in plans:
         c, e = p.config, p.estimate
         sched = c.schedule.value + (f"(v{c.virtual_stages})" if c.virtual_stages > 1 else "") if c.pp > 1 else "-"
         table.add_row(str(p.rank), str(c.tp), str(c.pp), str(c.dp), str(c.cp), str(c.ep), "on" if c.sp else "off",
                       str(c.zero), str(c.microbatch), sched, recompute_label(p), f"{e.step_time_s:.3f}",
-                      f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", f"{e.peak_mem_bytes / GIB:.1f}", causes_label(p))
+                      f"{p.samples_per_s if samples else e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", f"{e.peak_mem_bytes / GIB:.1f}", causes_label(p))
     return table
 
 
