@@ -161,8 +161,11 @@ def _inputs(
     model: nn.Module, seq_len: int, microbatch: int, example: tuple[Any, ...] | None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if example is not None:
+        # floating inputs take the capture dtype (the parameters'), integer ones (token ids) keep theirs
+        floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         metas = tuple(
-            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+            torch.empty(x.shape, dtype=floating if x.is_floating_point() else x.dtype, device="meta")
+            if isinstance(x, torch.Tensor) else x
             for x in example
         )
         return metas, {}

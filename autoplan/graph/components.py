@@ -141,7 +141,8 @@ def assemble(split: Split, measured: dict[str, list[Layer]], *, model_name: str,
         graph = LayerGraph(model_name=f"{model_name}/{spec.name}", layers=tuple(measured[spec.name]),
                            seq_len=split.seq_lens[spec.name], microbatch=microbatch, dtype_bytes=dtype_bytes,
                            num_nodes=len(split.nodes[spec.name]), capture_method=method, notes=notes)
-        built.append(Component(name=spec.name, module_paths=tuple(spec.paths), graph=graph))
+        built.append(Component(name=spec.name, module_paths=tuple(spec.paths), graph=graph,
+                               connector=not spec.has_family))
     edges = tuple(ComponentEdge(src=a, dst=b, activation_bytes=n) for (a, b), n in split.edges.items())
     return ComponentGraph(model_name=model_name, components=tuple(built), edges=edges, microbatch=microbatch,
                           input_shapes=input_shapes, notes=notes)

@@ -113,6 +113,7 @@ class Component:
     name: str  # its first module path, e.g. "model.vision_tower"
     module_paths: tuple[str, ...]
     graph: LayerGraph  # seq_len is the component's own sequence (image patches for a vision tower)
+    connector: bool = False  # no repeated blocks of its own: a module between components (a projector)
 
     @property
     def fwd_flops(self) -> float:
@@ -121,7 +122,7 @@ class Component:
     @property
     def has_blocks(self) -> bool:
         """Holds repeated blocks (a tower or a language model), not only a connector like a projector."""
-        return bool(self.graph.blocks) and len(self.graph.blocks) >= 2
+        return not self.connector
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
