@@ -39,6 +39,15 @@ def apply_data_parallel(model: Transformer, *, zero: int, dense_mesh: DeviceMesh
     wrap(model, mesh=dense_mesh)
 
 
+def wrap_blocks(root: nn.Module, blocks: list[nn.Module], *, zero: int, mesh: DeviceMesh) -> None:
+    """Any model's data parallelism as above (used for components, execute/components.py): each
+    repeated block, then the root, over one data-parallel mesh."""
+    wrap = _wrapper(zero)
+    for block in blocks:
+        wrap(block, mesh=mesh)
+    wrap(root, mesh=mesh)
+
+
 def _wrapper(zero: int) -> Callable[..., nn.Module]:
     if zero == 0:
         return replicate

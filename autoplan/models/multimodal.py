@@ -96,11 +96,18 @@ class SensorBranch(nn.Module):
 
 class SensorPolicy(nn.Module):
     """images [b, 3, H, W] -> vision branch (patch tokens); state [b, T, state_size] -> sensor branch
-    (T tokens); both token sets concatenated -> trunk -> actions from the mean token."""
+    (T = state_steps tokens); both token sets concatenated -> trunk -> actions from the mean token."""
+
+    def example_inputs(self, batch: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs of the shapes the model takes (for capture's example_inputs)."""
+        return (torch.zeros(batch, 3, self.image_size, self.image_size),
+                torch.zeros(batch, self.state_steps, self.sensor.proj.in_features))
 
     def __init__(self, *, image_size: int = 16, patch_size: int = 4, width: int = 32, state_size: int = 12,
-                 vision_depth: int = 2, sensor_depth: int = 2, trunk_depth: int = 3, num_actions: int = 6) -> None:
+                 vision_depth: int = 2, sensor_depth: int = 2, trunk_depth: int = 3, num_actions: int = 6,
+                 state_steps: int = 5) -> None:
         super().__init__()
+        self.image_size, self.state_steps = image_size, state_steps
         c = ViTConfig(image_size=image_size, patch_size=patch_size, hidden_size=width, num_layers=vision_depth,
                       num_heads=4, mlp_size=4 * width)
         self.vision = VisionBranch(c)
