@@ -22,7 +22,7 @@ _EXPORTS = {
     "Plans": "autoplan.search.api",
     "plan_components": "autoplan.search.api",
     "ComponentPlans": "autoplan.search.api",
-    "execute_components": "autoplan.execute.components",
+    "execute_components": "autoplan.execute.component_worker",
     "capture_components": "autoplan.graph.capture",
     "ComponentGraph": "autoplan.graph.types",
     "ComponentPlan": "autoplan.plan.components",

@@ -7,7 +7,7 @@ microbatch). Pure data: no torch here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -183,3 +183,56 @@ class ComponentGraph:
 
     def edge_bytes(self, src: str, dst: str) -> int:
         return sum(e.activation_bytes for e in self.edges if e.src == src and e.dst == dst)
+
+    def merged(self, names: tuple[str, ...] | list[str]) -> LayerGraph:
+        """One LayerGraph of several components run on the same devices: the first name's layers, with the
+        others' before them (as EMBEDDING layers, on the first pipeline stage) when they come earlier in
+        the forward order, after them (as HEAD layers, on the last stage) otherwise; the first one's
+        sequence length."""
+        order = [c.name for c in self.components]
+        main = self.component(names[0]).graph
+        before: list[Layer] = []
+        after: list[Layer] = []
+        for name in sorted(names[1:], key=order.index):
+            role, side = ((LayerRole.EMBEDDING, before) if order.index(name) < order.index(names[0])
+                          else (LayerRole.HEAD, after))
+            side += [replace(layer, role=role) for layer in self.component(name).graph.layers]
+        layers = tuple(replace(layer, index=i) for i, layer in enumerate([*before, *main.layers, *after]))
+        return replace(main, layers=layers, model_name=f"{self.model_name}/{'+'.join(names)}",
+                       num_nodes=sum(self.component(n).graph.num_nodes for n in names))
+
+    def encoder_split(self) -> EncoderSplit | None:
+        """The model as encoder -> language model, for serving (encode -> prefill -> decode): every
+        component before the last one (the language model, the DAG's sink) is the encoder side. None for
+        a single chain or a model whose last component takes no activations from the others."""
+        if self.is_single:
+            return None
+        last = self.components[-1]
+        into = sum(e.activation_bytes for e in self.edges if e.dst == last.name)
+        if not into:
+            return None
+        encoders = tuple(c.name for c in self.components[:-1])
+        heavy = [n for n in encoders if self.component(n).has_blocks] or list(encoders)
+        hidden = next((b.hidden_size for b in last.graph.blocks if b.hidden_size), 0)
+        per_sample = into // self.microbatch
+        tokens = per_sample // (hidden * last.graph.dtype_bytes) if hidden else 0
+        return EncoderSplit(encoder=self.merged([heavy[0], *[n for n in encoders if n != heavy[0]]]),
+                            decoder=last.graph, encoder_components=encoders, decoder_component=last.name,
+                            handoff_bytes_per_sample=per_sample, encoder_tokens_per_sample=tokens)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncoderSplit:
+    """A model with components seen as one encoder stage feeding a language model (serving's encode ->
+    prefill -> decode). `encoder` is all encoder-side components as one LayerGraph (captured at
+    ComponentGraph.microbatch samples, sequence = the encoder's own, e.g. image patches); `decoder` the
+    language model's graph (sequence = text + image tokens). Per sample the encoder hands
+    handoff_bytes_per_sample bytes (capture dtype) to the decoder, filling encoder_tokens_per_sample of
+    its positions (0 when the decoder's hidden size is not recognised)."""
+
+    encoder: LayerGraph
+    decoder: LayerGraph
+    encoder_components: tuple[str, ...]
+    decoder_component: str
+    handoff_bytes_per_sample: int
+    encoder_tokens_per_sample: int

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from autoplan.cluster.types import ClusterSpec
-from autoplan.graph.types import ComponentGraph, LayerGraph, LayerRole
+from autoplan.graph.types import ComponentGraph, LayerGraph
 from autoplan.plan.components import ComponentPlan
 from autoplan.plan.types import Plan, Stage
 from autoplan.search.component_cost import compose
@@ -76,23 +76,8 @@ def device_groups(graph: ComponentGraph) -> tuple[DeviceGroupSpec, ...]:
         host = (feeders or fed or heavy)[0]
         members[host].append(c.name)
     order = [c.name for c in graph.components]
-    return tuple(DeviceGroupSpec(components=tuple(sorted(ms, key=order.index)), graph=_merged(graph, ms))
+    return tuple(DeviceGroupSpec(components=tuple(sorted(ms, key=order.index)), graph=graph.merged(ms))
                  for ms in (members[h] for h in heavy))
-
-
-def _merged(graph: ComponentGraph, names: list[str]) -> LayerGraph:
-    """One LayerGraph of the group's components: the heavy one's layers, a connector's after (as HEAD
-    layers on its last pipeline stage) or before (as EMBEDDING) it; the heavy one's sequence length."""
-    order = [c.name for c in graph.components]
-    main = graph.component(names[0]).graph
-    before, after = [], []
-    for name in sorted(names[1:], key=order.index):
-        role, side = ((LayerRole.EMBEDDING, before) if order.index(name) < order.index(names[0])
-                      else (LayerRole.HEAD, after))
-        side += [replace(layer, role=role) for layer in graph.component(name).graph.layers]
-    layers = tuple(replace(layer, index=i) for i, layer in enumerate([*before, *main.layers, *after]))
-    return replace(main, layers=layers, model_name=f"{graph.model_name}/{'+'.join(names)}",
-                   num_nodes=sum(graph.component(n).graph.num_nodes for n in names))
 
 
 def sub_cluster(cluster: ClusterSpec, num_devices: int) -> ClusterSpec:
