@@ -38,10 +38,13 @@ class ComponentTrainOptions:
     seed: int = 0
     lr: float = 1e-3
     weight_decay: float = 0.01
+    optimizer: str = "adamw"  # or "sgd" (plain SGD: its update shows a wrongly scaled gradient, Adam's hides it)
 
     def __post_init__(self) -> None:
         if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"steps must be a positive integer, got {self.steps!r}")
+        if self.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"optimizer must be 'adamw' or 'sgd', got {self.optimizer!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,7 +90,8 @@ def train_components(model: nn.Module, plan: ComponentPlan, options: ComponentTr
     """Train `model` (built from options.seed on every rank) under `plan` on this rank; returns the losses,
     step times, this rank's group and its parameters (full tensors by the model's names)."""
     program = program_of(model, plan)
-    layouts, group = build_groups(plan, program, device=device, lr=options.lr, weight_decay=options.weight_decay)
+    layouts, group = build_groups(plan, program, device=device, lr=options.lr, weight_decay=options.weight_decay,
+                                  optimizer=options.optimizer)
     run = _Run(plan, program, layouts, group, _edges(plan, program), device, dist.get_rank())
     if run.sink and any(e.src == group.index for e in run.edges):
         raise ValueError(f"group {group.index} holds the loss but also feeds another group: reorder the groups")

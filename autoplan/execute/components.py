@@ -113,7 +113,7 @@ def _layouts(plan: ComponentPlan) -> list[Layout]:
 
 
 def build_groups(plan: ComponentPlan, program: Program, *, device: torch.device, lr: float,
-                 weight_decay: float) -> tuple[list[Layout], _Group]:
+                 weight_decay: float, optimizer: str = "adamw") -> tuple[list[Layout], _Group]:
     """Every group's layout, and this rank's group parallelised (collective: call on every rank)."""
     check_executable(plan)
     layouts = _layouts(plan)
@@ -137,7 +137,8 @@ def build_groups(plan: ComponentPlan, program: Program, *, device: torch.device,
             wrap_blocks(stage.module, blocks, zero=config.zero, mesh=group.mesh["dp"])
     group.fsdp = [m for s in group.stages for m in s.module.modules() if isinstance(m, FSDPModule)]
     params = [p for s in group.stages for p in s.module.parameters()]
-    group.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
+    group.optimizer = (torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
+                       if optimizer == "adamw" else torch.optim.SGD(params, lr=lr, foreach=False))
     return layouts, group
 
 
