@@ -41,6 +41,11 @@ _EXPORTS = {
     "Schedule": "autoplan.plan.types",
     "Recompute": "autoplan.plan.types",
     "MeshAxis": "autoplan.plan.types",
+    "serve_plan": "autoplan.serve.api",
+    "serve_estimate": "autoplan.serve.api",
+    "ServePlans": "autoplan.serve.api",
+    "ServeConfig": "autoplan.serve.types",
+    "ServeEstimate": "autoplan.serve.types",
 }
 
 __all__ = [
@@ -61,6 +66,9 @@ __all__ = [
     "Plans",
     "Recompute",
     "Schedule",
+    "ServeConfig",
+    "ServeEstimate",
+    "ServePlans",
     "__version__",
     "autoplan",
     "capture",
@@ -69,6 +77,8 @@ __all__ = [
     "execute",
     "execute_components",
     "plan_components",
+    "serve_estimate",
+    "serve_plan",
 ]
 
 

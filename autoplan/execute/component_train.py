@@ -22,10 +22,10 @@ from autoplan.execute.components import (
     _Group,
     build_groups,
     full_parameters,
+    prepare_backward,
     program_of,
     recv,
     send,
-    set_gradient_sync,
     transfers,
     wait_all,
 )
@@ -123,7 +123,7 @@ def _step(run: _Run, batch: dict[str, torch.Tensor]) -> float | None:
         received, values = _forward(run, k, rows, works)
         if run.sink:
             loss = run.program.loss(values[run.program.stages[-1].name], rows) / m
-            set_gradient_sync(run.group, k == m - 1)
+            prepare_backward(run.group, last=k == m - 1)
             loss.backward()
             _send_input_grads(run, k, received, works)
             total += float(loss.detach())
@@ -131,7 +131,7 @@ def _step(run: _Run, batch: dict[str, torch.Tensor]) -> float | None:
             kept.append((received, values))
     for k, (received, values) in enumerate(kept):
         outs, grads = _output_grads(run, k, values)
-        set_gradient_sync(run.group, k == m - 1)
+        prepare_backward(run.group, last=k == m - 1)
         torch.autograd.backward(outs, grads)
         _send_input_grads(run, k, received, works)
     wait_all(works)

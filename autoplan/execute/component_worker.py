@@ -59,7 +59,7 @@ def execute_components(plan: ComponentPlan | str | Path, model: str, *, steps: i
         save_component_plan(plan, plan_path)
         args = ["--plan", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
                 "--report", report_path, "--run-dir", run_dir, "--timeout-s", str(timeout_s)]
-        cmd = torchrun_command(args, nproc_per_node=plan.num_devices, worker="autoplan.execute.component_worker")
+        cmd = torchrun_command(args, nproc_per_node=plan.num_devices, module="autoplan.execute.component_worker")
         run_torchrun(cmd, run_dir=run_dir, env=env)
         return json.loads(Path(report_path).read_text())
 

@@ -31,8 +31,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from autoplan.execute.component_models import Program, Stage, program_for
-from autoplan.execute.fsdp import wrap_blocks
+from autoplan.execute.fsdp import prepare_microbatch, wrap_blocks
 from autoplan.plan.components import ComponentPlan
+from autoplan.plan.layout import ZeroLayout, zero_layout
 from autoplan.plan.types import Recompute
 
 COLWISE = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "fc1", "wq", "wk", "wv", "w1", "w3")
@@ -104,7 +105,8 @@ class _Group:
     layout: Layout
     stages: list[Stage]
     mesh: DeviceMesh | None = None
-    fsdp: list[FSDPModule] = field(default_factory=list)
+    fsdp: list[FSDPModule] = field(default_factory=list)  # the stage roots, when data parallel
+    zero: ZeroLayout | None = None
     optimizer: torch.optim.Optimizer | None = None
 
 
@@ -124,6 +126,7 @@ def build_groups(plan: ComponentPlan, program: Program, *, device: torch.device,
     group = _Group(index=index, layout=layouts[index], mesh=meshes[index],
                    stages=[program.stage(name) for name in plan.groups[index].components])
     config = plan.groups[index].plan.config
+    group.zero = zero_layout(config, plan.num_microbatches)
     for stage in group.stages:
         stage.module.to(device)
         blocks = [b for path in stage.block_lists for b in stage.module.get_submodule(path)]
@@ -134,8 +137,8 @@ def build_groups(plan: ComponentPlan, program: Program, *, device: torch.device,
             _checkpoint_blocks(stage)
             blocks = [b for path in stage.block_lists for b in stage.module.get_submodule(path)]
         if config.dp > 1:
-            wrap_blocks(stage.module, blocks, zero=config.zero, mesh=group.mesh["dp"])
-    group.fsdp = [m for s in group.stages for m in s.module.modules() if isinstance(m, FSDPModule)]
+            wrap_blocks(stage.module, blocks, layout=group.zero, mesh=group.mesh["dp"])
+    group.fsdp = [s.module for s in group.stages if isinstance(s.module, FSDPModule)]
     params = [p for s in group.stages for p in s.module.parameters()]
     group.optimizer = (torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
                        if optimizer == "adamw" else torch.optim.SGD(params, lr=lr, foreach=False))
@@ -212,9 +215,11 @@ def full_parameters(group: _Group) -> dict[str, torch.Tensor]:
     return out
 
 
-def set_gradient_sync(group: _Group, enabled: bool) -> None:
+def prepare_backward(group: _Group, *, last: bool) -> None:
+    """Before one microbatch's backward: reduce gradients now or accumulate, as the group's ZeRO layout
+    says (execute.fsdp.prepare_microbatch; every microbatch for ZeRO-2/3, the last one otherwise)."""
     for module in group.fsdp:
-        module.set_requires_gradient_sync(enabled)
+        prepare_microbatch(module, group.zero, last=last)
 
 
 def program_of(model: nn.Module, plan: ComponentPlan) -> Program:

@@ -10,6 +10,7 @@ hold equal zig-zag shards of each sequence (chunks r and 2cp-1-r of 2*cp), so th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 import statistics
 import time
@@ -22,14 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from autoplan.execute.apply import apply_plan, config_of
 from autoplan.execute.checkpoint import load_checkpoint, save_checkpoint
 from autoplan.execute.context import zigzag_positions
-from autoplan.execute.fsdp import ZERO1_RUNS_AS_ZERO2
+from autoplan.execute.fsdp import prepare_microbatch
 from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
     SCALE_GRADS,
@@ -39,7 +39,8 @@ from autoplan.execute.pipeline import (
     local_stage_indices,
 )
 from autoplan.execute.recompute import original_fqn
-from autoplan.models import Transformer, preset
+from autoplan.models import Transformer, TransformerConfig, preset, preset_config
+from autoplan.plan.layout import ZeroLayout, divisibility_errors, zero_layout
 from autoplan.plan.types import ParallelConfig, Plan
 
 
@@ -174,27 +175,41 @@ class _Job:
     optimizers: list[torch.optim.Optimizer]
     schedule: Any
     device: torch.device
+    layout: ZeroLayout  # the ZeRO layout of plan.layout.zero_layout
+
+
+def check_divides(model_config: TransformerConfig, config: ParallelConfig, options: TrainOptions) -> None:
+    """Refuse, with the first line of plan.layout.divisibility_errors (the rule the search filters with and
+    the cost model refuses with), a plan whose degrees do not divide the model, the sequence or the batch."""
+    c = model_config
+    errors = divisibility_errors(config, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads or c.num_heads,
+                                 ffn_hidden_size=c.ffn_hidden_size or 0, num_experts=c.num_experts,
+                                 vocab_size=c.vocab_size, seq_len=options.seq_len, num_blocks=c.num_layers,
+                                 global_batch=options.global_batch)
+    if errors:
+        raise ValueError(f"{c.name}: {errors[0]}")
 
 
 def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
     config = config_of(plan)
+    check_divides(preset_config(model_name), config, options)
     mesh = build_mesh(config, device_type=device.type)
     meshes = sub_meshes(mesh)
-    config.num_microbatches(options.global_batch)  # raises when the batch does not divide
+    num_microbatches = config.num_microbatches(options.global_batch)  # raises when the batch does not divide
     model = build_model(model_name, options.seed)
     if options.seq_len > model.config.max_seq_len:
         raise ValueError(f"seq_len {options.seq_len} exceeds {model_name}'s max_seq_len "
                          f"{model.config.max_seq_len}: use --seq-len <= {model.config.max_seq_len}")
-    parts = apply_plan(model, plan, meshes, device=device)
+    layout = zero_layout(config, num_microbatches)  # what the cost model priced
+    parts = apply_plan(model, plan, meshes, device=device, num_microbatches=num_microbatches)
     indices = local_stage_indices(config, meshes.rank_on("pp")) if config.pp > 1 else (0,)
     optimizers = [torch.optim.AdamW(p.parameters(), lr=options.lr, weight_decay=options.weight_decay,
                                     foreach=False) for p in parts]
     schedule = None
     if config.pp > 1:
         schedule = build_schedule(parts, indices, config, pp_group=meshes.pp.get_group(), device=device,
-                                  num_microbatches=config.num_microbatches(options.global_batch),
-                                  loss_fn=cross_entropy)
-    return _Job(config, meshes, parts, indices, optimizers, schedule, device)
+                                  num_microbatches=num_microbatches, loss_fn=cross_entropy)
+    return _Job(config, meshes, parts, indices, optimizers, schedule, device, layout)
 
 
 def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int) -> float | None:
@@ -210,8 +225,8 @@ def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, nu
         part, total = job.parts[0], None
         for i, (mb_inputs, mb_targets) in enumerate(zip(inputs.chunk(num_microbatches),
                                                         targets.chunk(num_microbatches))):
-            if isinstance(part, FSDPModule):  # accumulate locally, reduce once after the last microbatch
-                part.set_requires_gradient_sync(i == num_microbatches - 1)
+            # reduce now or accumulate, free the gathered weights or keep them: as zero_layout says
+            prepare_microbatch(part, job.layout, last=i == num_microbatches - 1)
             loss = cross_entropy(part(mb_inputs), mb_targets) / num_microbatches
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()  # one device sync, below
@@ -304,8 +319,8 @@ def report(result: TrainResult, *, plan: Plan | ParallelConfig, model_name: str,
         "peak_mem_bytes_per_rank": peak_mem_per_rank,
         "optimizer": {"name": "AdamW", "lr": options.lr, "weight_decay": options.weight_decay,
                       "betas": [0.9, 0.999], "eps": 1e-8},
-        "numerics": {"dtype": "float32", "pipeline_scale_grads": SCALE_GRADS,
-                     "zero1_runs_as_zero2": ZERO1_RUNS_AS_ZERO2 and config.zero == 1, "grad_clip": None},
+        "numerics": {"dtype": "float32", "pipeline_scale_grads": SCALE_GRADS, "grad_clip": None},
+        "zero_layout": dataclasses.asdict(zero_layout(config, config.num_microbatches(options.global_batch))),
     }
     if isinstance(plan, Plan):
         out["predicted_step_time_s"] = plan.estimate.step_time_s

@@ -82,7 +82,7 @@ def capture(
         num_nodes=sum(layer.num_nodes for layer in built),
         capture_method=method,
         notes=tuple(notes),
-        input_shapes=_input_shapes(ep),
+        input_shape=_sample_shape(args, kwargs),
     )
 
 
@@ -111,7 +111,8 @@ def capture_components(
                         example_inputs=example_inputs)
         single = Component(name=name, module_paths=("",), graph=graph)
         return ComponentGraph(model_name=name, components=(single,), microbatch=microbatch,
-                              input_shapes=graph.input_shapes, notes=graph.notes)
+                              input_shapes=(("input", (microbatch, *graph.input_shape)),) if graph.input_shape
+                              else (), notes=graph.notes)
     shadow.train()
     args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
     ep, method = _trace(shadow, args, kwargs)
@@ -123,6 +124,12 @@ def capture_components(
     return components.assemble(split, measured, model_name=name, microbatch=microbatch,
                                dtype_bytes=torch.empty((), dtype=dtype).element_size(), method=method,
                                notes=(note,) if note else (), input_shapes=_input_shapes(ep))
+
+
+def _sample_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """One sample's shape of the first tensor input (its batch dimension dropped)."""
+    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+    return tuple(int(d) for d in first.shape[1:]) if first is not None and first.dim() > 0 else ()
 
 
 def _check_size(name: str, value: Any) -> None:

@@ -282,15 +282,14 @@ class Plan:
     layer_recompute: tuple[tuple[str, Recompute], ...] = ()
     rank: int = 0  # 1 = best; 0 when not from a search
     notes: tuple[str, ...] = ()  # plain-language reasons, filled by the search
-    # the model's inputs per sample as traced, (name, shape of a microbatch of 1): what a model without
-    # tokens (a ViT, a ResNet) was assumed to take; and the unit its throughput is reported in
-    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    unit: str = "tokens"  # "tokens" (language models) or "samples" (images, feature vectors)
+    # layouts the ranking folded into this one (predicted the same within the tie tolerances of
+    # autoplan.search.ties), each said by how it differs: "zero=2", "dp=16 cp=2 microbatch=2"
+    folded: tuple[str, ...] = ()
+    # the shape of one input sample the plan was priced for when the model takes no token ids (a CNN
+    # or ViT: (channels, height, width)); empty for token models, whose sample is seq_len tokens
+    sample_shape: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.unit not in ("tokens", "samples"):
-            raise ValueError(f"unit must be 'tokens' or 'samples', got {self.unit!r}")
-        object.__setattr__(self, "input_shapes", tuple((str(n), tuple(s)) for n, s in self.input_shapes))
         object.__setattr__(self, "stages", tuple(self.stages))
         object.__setattr__(
             self,
@@ -298,11 +297,14 @@ class Plan:
             tuple((str(n), _parse_enum(Recompute, r, "recompute mode")) for n, r in self.layer_recompute),
         )
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "folded", tuple(self.folded))
+        object.__setattr__(self, "sample_shape", tuple(int(d) for d in self.sample_shape))
 
     @property
     def samples_per_s(self) -> float:
-        """Samples (sequences, images) per second: global_batch / step time."""
-        return self.global_batch / self.estimate.step_time_s
+        """Training samples (sequences, images) per second: the global batch over the step time."""
+        t = self.estimate.step_time_s
+        return self.global_batch / t if t > 0 else 0.0
 
     def recompute_for(self, layer_name: str) -> Recompute:
         return dict(self.layer_recompute).get(layer_name, self.config.recompute)
@@ -312,3 +314,21 @@ class Plan:
         from autoplan.plan.explain import explain
 
         return explain(self)
+
+    def to_megatron_args(self, *, strict: bool = False) -> list[str]:
+        """Megatron-LM flags for this layout (autoplan.plan.export.to_megatron_args)."""
+        from autoplan.plan.export import to_megatron_args
+
+        return to_megatron_args(self, strict=strict)
+
+    def to_torchtitan_toml(self, *, strict: bool = False) -> str:
+        """A torchtitan job TOML for this layout (autoplan.plan.export.to_torchtitan_toml)."""
+        from autoplan.plan.export import to_torchtitan_toml
+
+        return to_torchtitan_toml(self, strict=strict)
+
+    def to_deepspeed_config(self, *, strict: bool = False) -> dict[str, Any]:
+        """A DeepSpeed config dict for this layout (autoplan.plan.export.to_deepspeed_config)."""
+        from autoplan.plan.export import to_deepspeed_config
+
+        return to_deepspeed_config(self, strict=strict)

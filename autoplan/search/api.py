@@ -26,7 +26,10 @@ _module_graphs: weakref.WeakKeyDictionary[Any, dict[int, LayerGraph]] = weakref.
 
 
 class Plans(tuple):
-    """The ranked plans, best first: a tuple of Plan that prints as a table."""
+    """The ranked plans, best first: a tuple of Plan that prints as a table. `candidates` holds what the
+    search estimated (search.search's record: "quick", "exact"), for `pareto_png`."""
+
+    candidates: dict[str, Any] | None = None
 
     @property
     def best(self) -> Plan:
@@ -36,6 +39,12 @@ class Plans(tuple):
         from autoplan.search.table import plans_table
 
         return plans_table(self)
+
+    def pareto_png(self, path: str | Path) -> None:
+        """Plot step time against memory for the candidates (autoplan.search.pareto)."""
+        from autoplan.search.pareto import pareto_png
+
+        pareto_png(self, self.candidates, path)
 
     def __rich__(self) -> Any:
         return self.table()
@@ -137,16 +146,10 @@ def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k
     search_options, cluster_options = _split_options(options)
     spec = load_cluster(cluster, **cluster_options)
     opts = SearchOptions(global_batch=global_batch, top_k=top_k, **search_options)
-    graph = model_graph(model, seq_len)
-    return Plans(with_units(graph, p) for p in search(graph, spec, opts))
-
-
-def with_units(graph: LayerGraph, plan: Plan) -> Plan:
-    """A model without token ids (no embedding: a ViT, a ResNet) reports samples/s and the input shape
-    it was traced with; language models' plans are returned as they are."""
-    if graph.vocab_size:
-        return plan
-    return dataclasses.replace(plan, unit="samples", input_shapes=graph.input_shapes)
+    record: dict[str, Any] = {}
+    plans = Plans(search(model_graph(model, seq_len), spec, opts, record=record))
+    plans.candidates = record
+    return plans
 
 
 def check_config(config: ParallelConfig, cluster: ClusterSpec, global_batch: int) -> None:
