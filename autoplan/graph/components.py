@@ -47,6 +47,7 @@ class Split:
     nodes: dict[str, list[fx.Node]]
     groups: dict[str, list[layers.Group]] = field(default_factory=dict)
     seq_lens: dict[str, int] = field(default_factory=dict)
+    vocabs: dict[str, int] = field(default_factory=dict)  # token vocabulary of components embedding input ids
     edges: dict[tuple[str, str], int] = field(default_factory=dict)
 
 
@@ -129,6 +130,7 @@ def split_graph(graph: fx.Graph, model: nn.Module, roots: list[str], taint: laye
         units = component_units(model, spec.paths)
         split.groups[spec.name] = layers.group_nodes(nodes[spec.name], units, model)
         split.seq_lens[spec.name] = _sequence_length(split.groups[spec.name], taint, hint, default_seq_len)
+        split.vocabs[spec.name] = token_vocab(nodes[spec.name], taint)
     return split
 
 
@@ -140,12 +142,23 @@ def assemble(split: Split, measured: dict[str, list[Layer]], *, model_name: str,
     for spec in split.specs:
         graph = LayerGraph(model_name=f"{model_name}/{spec.name}", layers=tuple(measured[spec.name]),
                            seq_len=split.seq_lens[spec.name], microbatch=microbatch, dtype_bytes=dtype_bytes,
+                           vocab_size=split.vocabs.get(spec.name, 0),
                            num_nodes=len(split.nodes[spec.name]), capture_method=method, notes=notes)
         built.append(Component(name=spec.name, module_paths=tuple(spec.paths), graph=graph,
                                connector=not spec.has_family))
     edges = tuple(ComponentEdge(src=a, dst=b, activation_bytes=n) for (a, b), n in split.edges.items())
     return ComponentGraph(model_name=model_name, components=tuple(built), edges=edges, microbatch=microbatch,
                           input_shapes=input_shapes, notes=notes)
+
+
+def token_vocab(nodes: list[fx.Node], taint: layers.Taint) -> int:
+    """Rows of the embedding tables indexed by a model input (token ids); 0 when none is (a vision
+    tower's position table is indexed by a buffer)."""
+    rows = [int(n.args[0].meta["val"].shape[0]) for n in nodes
+            if ops.op_name(n.target) == "embedding" and len(n.args) > 1 and isinstance(n.args[1], fx.Node)
+            and n.args[1].op == "placeholder" and n.args[1] in taint.activation
+            and isinstance(n.args[0], fx.Node) and "val" in n.args[0].meta]
+    return max(rows, default=0)
 
 
 def _assign(graph: fx.Graph, specs: list[Spec]) -> dict[fx.Node, str]:

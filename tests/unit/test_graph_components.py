@@ -37,6 +37,7 @@ def test_llava_splits_into_tower_projector_and_language_model() -> None:
     assert g.component(LM).module_paths == (LM, "lm_head")  # the head joins the model that feeds it
     assert [c.connector for c in g.components] == [False, True, False]
     assert [c.graph.seq_len for c in g.components] == [17, 16, SEQ]  # patches + class token; image tokens; text
+    assert [c.graph.vocab_size for c in g.components] == [0, 0, 128]  # only the LM embeds input token ids
     assert dict(g.input_shapes) == {"input_ids": (MB, SEQ), "pixel_values": (MB, 3, 16, 16)}
 
 
