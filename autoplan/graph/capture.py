@@ -27,7 +27,7 @@ from torch.export.graph_signature import InputKind
 
 from autoplan.graph import activations, components, layers, recognise
 from autoplan.graph.errors import CaptureError, describe_failure
-from autoplan.graph.types import Component, ComponentGraph, Layer, LayerGraph, LayerRole
+from autoplan.graph.types import ComponentGraph, Layer, LayerGraph, LayerRole
 
 __all__ = ["CaptureError", "capture", "capture_components"]
 
@@ -107,12 +107,8 @@ def capture_components(
     shadow = _meta_copy(model, dtype)
     roots = components.find_roots(shadow)
     if not roots:
-        graph = capture(model, seq_len=seq_len, microbatch=microbatch, dtype=dtype, model_name=name,
-                        example_inputs=example_inputs)
-        single = Component(name=name, module_paths=("",), graph=graph)
-        return ComponentGraph(model_name=name, components=(single,), microbatch=microbatch,
-                              input_shapes=(("input", (microbatch, *graph.input_shape)),) if graph.input_shape
-                              else (), notes=graph.notes)
+        return components.single(capture(model, seq_len=seq_len, microbatch=microbatch, dtype=dtype,
+                                         model_name=name, example_inputs=example_inputs))
     shadow.train()
     args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
     ep, method = _trace(shadow, args, kwargs)
@@ -123,7 +119,7 @@ def capture_components(
                 for spec in split.specs}
     return components.assemble(split, measured, model_name=name, microbatch=microbatch,
                                dtype_bytes=torch.empty((), dtype=dtype).element_size(), method=method,
-                               notes=(note,) if note else (), input_shapes=_input_shapes(ep))
+                               notes=(note,) if note else (), input_shapes=components.input_shapes(ep))
 
 
 def _sample_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
@@ -302,12 +298,6 @@ def _measure_groups(ep: ExportedProgram, model: nn.Module, groups: list[layers.G
     owner = _param_owners(ep, model, groups)
     hint = layers.Hint()
     return [_layer(group, index, model, owner, taint, hint, saved, microbatch) for index, group in enumerate(groups)]
-
-
-def _input_shapes(ep: ExportedProgram) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    user = {s.arg.name for s in ep.graph_signature.input_specs if s.kind is InputKind.USER_INPUT}
-    return components.input_shapes((n for n in ep.graph.nodes if n.op == "placeholder" and n.name in user),
-                                   layers.Hint())
 
 
 def _param_owners(ep: ExportedProgram, model: nn.Module, groups: list[layers.Group]) -> dict[str, int]:

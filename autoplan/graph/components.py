@@ -16,7 +16,6 @@ features scattered into the text embeddings) runs on the consumer's side.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,11 +319,19 @@ def num_image_tokens(config: Any) -> int:
     return patches + (1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0)
 
 
-def input_shapes(placeholders: Iterable[fx.Node], hint: layers.Hint) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, shape) of each user input tensor, as traced."""
-    out = []
-    for node in placeholders:
-        val = node.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            out.append((node.name, tuple(hint(d) for d in val.shape)))
-    return tuple(out)
+def input_shapes(ep: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of each user input tensor of an ExportedProgram, as traced."""
+    from torch.export.graph_signature import InputKind
+
+    user = {s.arg.name for s in ep.graph_signature.input_specs if s.kind is InputKind.USER_INPUT}
+    hint = layers.Hint()
+    return tuple((n.name, tuple(hint(d) for d in n.meta["val"].shape)) for n in ep.graph.nodes
+                 if n.op == "placeholder" and n.name in user and isinstance(n.meta.get("val"), torch.Tensor))
+
+
+def single(graph: LayerGraph) -> ComponentGraph:
+    """A single-chain model's ComponentGraph: one component holding capture()'s graph."""
+    shapes = (("input", (graph.microbatch, *graph.input_shape)),) if graph.input_shape else ()
+    return ComponentGraph(model_name=graph.model_name, microbatch=graph.microbatch, input_shapes=shapes,
+                          components=(Component(name=graph.model_name, module_paths=("",), graph=graph),),
+                          notes=graph.notes)
