@@ -49,6 +49,15 @@ def apply_data_parallel(model: Transformer, *, layout: ZeroLayout, dense_mesh: D
     wrap(model, mesh=dense_mesh)
 
 
+def wrap_blocks(root: nn.Module, blocks: list[nn.Module], *, layout: ZeroLayout, mesh: DeviceMesh) -> None:
+    """Any model's data parallelism as above (used for components, execute/components.py): each
+    repeated block, then the root, over one data-parallel mesh."""
+    wrap = _wrapper(layout)
+    for block in blocks:
+        wrap(block, mesh=mesh)
+    wrap(root, mesh=mesh)
+
+
 def _wrapper(layout: ZeroLayout) -> Callable[..., nn.Module]:
     if not layout.shards_optimizer:
         return replicate

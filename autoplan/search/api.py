@@ -89,9 +89,16 @@ def load_model(spec: str) -> Any:
         with torch.device("meta"):
             return getattr(module, factory)()
     from autoplan.models import PRESETS, preset
+    from autoplan.models.multimodal import MULTIMODAL_PRESETS
+    from autoplan.models.vision import VISION_PRESETS
 
+    others = {**VISION_PRESETS, **MULTIMODAL_PRESETS}
+    if spec in others:
+        with torch.device("meta"):
+            return others[spec]()
     if spec not in PRESETS:
-        raise ValueError(f"unknown model {spec!r}: choose a preset ({', '.join(PRESETS)}) or give file.py:factory")
+        raise ValueError(f"unknown model {spec!r}: choose a preset ({', '.join([*PRESETS, *others])}) or give "
+                         f"file.py:factory")
     with torch.device("meta"):
         return preset(spec)
 
@@ -183,3 +190,85 @@ def plan_for(model: str, cluster: ClusterSpec, config: ParallelConfig, *, global
     est = estimate(model, cluster, config, global_batch=global_batch, seq_len=seq_len)
     return Plan(config=config, estimate=est, model_name=model, cluster_name=cluster.name,
                 num_devices=config.num_devices, global_batch=global_batch, seq_len=seq_len)
+
+
+class ComponentPlans(tuple):
+    """Ranked plans for a model with components, best first: a tuple of ComponentPlan that prints as a
+    table (search/component_table.py)."""
+
+    @property
+    def best(self) -> Any:
+        return self[0]
+
+    def table(self) -> Any:
+        from autoplan.search.component_table import component_plans_table
+
+        return component_plans_table(self)
+
+    def __rich__(self) -> Any:
+        return self.table()
+
+    def __str__(self) -> str:
+        from autoplan.search.table import render
+
+        return render(self.table())
+
+    def __repr__(self) -> str:
+        return f"ComponentPlans({len(self)} plans)\n{self}"
+
+
+_component_graphs: weakref.WeakKeyDictionary[Any, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+
+
+@lru_cache(maxsize=8)
+def _named_components(spec: str, seq_len: int) -> Any:
+    from autoplan.graph.capture import capture_components
+
+    return capture_components(load_model(spec), seq_len=seq_len, model_name=spec)
+
+
+def component_graph(model: Any, seq_len: int, example_inputs: tuple[Any, ...] | None = None) -> Any:
+    """The ComponentGraph of `model` (nn.Module, preset name or a ComponentGraph) at seq_len, captured once."""
+    from autoplan.graph.types import ComponentGraph
+
+    _check_size("seq_len", seq_len)
+    if isinstance(model, ComponentGraph):
+        return model
+    if isinstance(model, (str, Path)) and example_inputs is None:
+        return _named_components(str(model), seq_len)
+    if isinstance(model, (str, Path)):
+        model = load_model(str(model))
+    from autoplan.graph.capture import capture_components
+
+    key = (seq_len, None if example_inputs is None else tuple(getattr(x, "shape", x) for x in example_inputs))
+    per_key = _component_graphs.setdefault(model, {})
+    if key not in per_key:
+        per_key[key] = capture_components(model, seq_len=seq_len, example_inputs=example_inputs)
+    return per_key[key]
+
+
+def plan_components(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k: int = 3,
+                    devices: tuple[int, ...] | None = None, num_microbatches: int | tuple[int, ...] | None = None,
+                    group_options: Mapping[str, Mapping[str, Any]] | None = None,
+                    example_inputs: tuple[Any, ...] | None = None, **options: Any) -> ComponentPlans:
+    """Training plans for a model with components (a vision tower + projector + language model, a policy
+    with a sensor branch): each device group runs its components with its own strategy, found by the
+    existing search on the group's devices, and the groups form a pipeline (search/components.py).
+
+    `options` are SearchOptions fields applied to every group (pp=1, zero=(0, 3), ...) and num_nodes /
+    devices_per_node; `group_options` per group, keyed by a component name ("model.language_model":
+    {"tp": 2}); `devices` fixes each group's device count; `num_microbatches` the hand-off microbatches.
+    A model with one chain of blocks raises ValueError: plan it with autoplan()."""
+    from autoplan.search.components import ComponentOptions
+    from autoplan.search.components import plan_components as search_components
+
+    _check_size("global_batch", global_batch)
+    _check_size("seq_len", seq_len)
+    search_options, cluster_options = _split_options(options)
+    spec = load_cluster(cluster, **cluster_options)
+    ms = (num_microbatches,) if isinstance(num_microbatches, int) else num_microbatches
+    opts = ComponentOptions(global_batch=global_batch, top_k=top_k, devices=tuple(devices) if devices else None,
+                            num_microbatches=tuple(ms) if ms else None, search=search_options,
+                            group_search={k: dict(v) for k, v in (group_options or {}).items()})
+    graph = component_graph(model, seq_len, example_inputs)
+    return ComponentPlans(search_components(graph, spec, opts))
