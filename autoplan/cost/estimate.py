@@ -78,7 +78,8 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     m = check_config(graph, cluster, config, global_batch)
     p, v = config.pp, config.virtual_stages
     views = rank_clusters(cluster, config)  # each pipeline rank's own node group when heterogeneous
-    stages = default_split(graph, cluster, config) if stages is None else check_stages(graph, stages, p * v)
+    stages = (default_split(graph, cluster, config, global_batch) if stages is None
+              else check_stages(graph, stages, p * v))
     placement = stage_ranks(config)  # the executor places stages with the same function
     overrides = {k: Recompute(r) for k, r in (layer_recompute or {}).items()}
     envs = {id(view): _env(graph, view, config, overrides) for view in views}

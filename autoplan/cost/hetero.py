@@ -64,26 +64,21 @@ def crosses_groups(cluster: ClusterSpec, config: ParallelConfig, a: int, b: int)
     return bool(cluster.groups) and groups[a] != groups[b]
 
 
-def speed_split(graph: LayerGraph, config: ParallelConfig, block_time_s: tuple[float, ...]) -> tuple[tuple[str, ...], ...]:
+def speed_split(graph: LayerGraph, config: ParallelConfig, block_time_s: tuple[float, ...],
+                max_blocks: tuple[float, ...] | None = None) -> tuple[tuple[str, ...], ...]:
     """The default split on a heterogeneous cluster: blocks dealt to the pipeline ranks in proportion to
-    their speed, 1 / block_time_s[r] (the time of one block on rank r's device), by largest remainder,
-    each rank at least its virtual_stages chunks' one block each; a rank's blocks split evenly over its
-    chunks (earlier chunks take the remainder). Metis (Um et al., ATC'24, section 5) starts its stage
-    search from the same device-proportional layer partition. The search then refines it (DP / ILP)."""
+    their speed, 1 / block_time_s[r] (the time of one block on rank r's device), no rank given more than
+    max_blocks[r] (what its memory holds) while others have room: a rank at its cap keeps it and the rest
+    is dealt again over the others (water filling); then by largest remainder, each rank at least its
+    virtual_stages chunks' one block each; a rank's blocks split evenly over its chunks (earlier chunks
+    take the remainder). Metis (Um et al., ATC'24, section 5) starts its stage search from the same
+    device-proportional layer partition. The search then refines it (DP / ILP, search/stages.py)."""
     names = [layer.name for layer in graph.layers]
     flags = [layer.role is LayerRole.BLOCK for layer in graph.layers]
     total, v = sum(flags), config.virtual_stages
     speed = [1.0 / max(t, 1e-30) for t in block_time_s]
-    share = [total * s / sum(speed) for s in speed]
-    counts = [max(v, int(x)) for x in share]
-    order = sorted(range(config.pp), key=lambda r: int(share[r]) - share[r])  # largest remainder first
-    i = 0
-    while sum(counts) != total:
-        r = order[i % len(order)]
-        step = 1 if sum(counts) < total else -1
-        if counts[r] + step >= v:
-            counts[r] += step
-        i += 1
+    cap = list(max_blocks) if max_blocks and sum(max_blocks) >= total else [float(total)] * config.pp
+    counts = _round(_water_fill(total, speed, cap), total, v, cap)
     placement = stage_ranks(config)
     per_stage = [0] * num_stages(config)
     for r in range(config.pp):
@@ -94,18 +89,78 @@ def speed_split(graph: LayerGraph, config: ParallelConfig, block_time_s: tuple[f
     return split_by_counts(names, flags, per_stage)
 
 
-def default_split(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig) -> tuple[tuple[str, ...], ...]:
+def _round(share: list[float], total: int, v: int, cap: list[float]) -> list[int]:
+    """Whole blocks: each share rounded down (at least v), then the missing blocks one each to the largest
+    remainders among ranks under their cap (then to any), the surplus taken from the largest counts."""
+    counts = [max(v, int(x)) for x in share]
+    by_remainder = sorted(range(len(share)), key=lambda r: int(share[r]) - share[r])
+    while sum(counts) < total:
+        room = [r for r in by_remainder if counts[r] + 1 <= cap[r]] or by_remainder
+        counts[room[0]] += 1
+        by_remainder.append(by_remainder.pop(by_remainder.index(room[0])))
+    while sum(counts) > total:
+        r = max((r for r in range(len(counts)) if counts[r] > v), key=lambda r: counts[r])
+        counts[r] -= 1
+    return counts
+
+
+def _water_fill(total: float, speed: list[float], cap: list[float]) -> list[float]:
+    """Shares of `total` proportional to speed, none above its cap (the excess dealt to the others)."""
+    share = [0.0] * len(speed)
+    free, left = set(range(len(speed))), float(total)
+    while free:
+        weight = sum(speed[r] for r in free)
+        trial = {r: left * speed[r] / weight for r in free}
+        over = [r for r in free if trial[r] > cap[r]]
+        if not over:
+            for r, x in trial.items():
+                share[r] = x
+            break
+        for r in over:
+            share[r] = cap[r]
+            left -= cap[r]
+            free.discard(r)
+    return share
+
+
+def default_split(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig,
+                  global_batch: int | None = None) -> tuple[tuple[str, ...], ...]:
     """The split estimate_config prices when given none: the balanced split (cost.stages) on a homogeneous
-    cluster; on a heterogeneous one speed_split, with each rank's mean block time on its own group."""
+    cluster; on a heterogeneous one speed_split, with each rank's mean block time on its own group and,
+    given the global batch, the blocks its memory holds (_max_blocks)."""
     from autoplan.cost.layer import estimate_layer
     from autoplan.cost.stages import balanced_stages
 
-    if not cluster.groups:
+    if not cluster.groups or not graph.blocks:
         return balanced_stages(graph, config)
-    blocks = graph.blocks
-    if not blocks:
-        return balanced_stages(graph, config)
-    times = tuple(sum(estimate_layer(b, view, config, config.recompute, seq_len=graph.seq_len,
-                                     graph_microbatch=graph.microbatch).time_s for b in blocks) / len(blocks)
-                  for view in rank_clusters(cluster, config))
-    return speed_split(graph, config, times)
+    views = rank_clusters(cluster, config)
+    costs = [[estimate_layer(layer, view, config, config.recompute, seq_len=graph.seq_len,
+                             graph_microbatch=graph.microbatch) for layer in graph.layers] for view in views]
+    block = [i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK]
+    times = tuple(sum(c[i].time_s for i in block) / len(block) for c in costs)
+    caps = _max_blocks(graph, views, config, costs, global_batch) if global_batch else None
+    return speed_split(graph, config, times, caps)
+
+
+def _max_blocks(graph: LayerGraph, views, config: ParallelConfig, costs, global_batch: int) -> tuple[float, ...]:
+    """Blocks each pipeline rank's memory holds: (device memory - runtime reserve - the embedding on the
+    first rank and the head on the last) / (model states of a block + its activations times the
+    microbatches the rank holds in flight): memory.model_state_bytes and pipeline.in_flight_microbatches,
+    the functions estimate_config's memory uses (less its working set and ZeRO-3's gathered layers)."""
+    from autoplan.cost.memory import model_state_bytes
+    from autoplan.cost.pipeline import in_flight_microbatches
+
+    m = config.num_microbatches(global_batch)
+    placement = stage_ranks(config)
+    block = [i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK]
+    out = []
+    for r, (view, c) in enumerate(zip(views, costs)):
+        held = in_flight_microbatches(config.schedule, config.pp, config.virtual_stages, m, r)
+        need = [sum(model_state_bytes(x.grad_param_count, x.expert_param_count, config)) + held * x.act_mem_bytes
+                for x in c]
+        pinned = sum(need[:block[0]]) if r == placement[0] else 0.0
+        pinned += sum(need[block[-1] + 1:]) if r == placement[-1] else 0.0
+        per_block = sum(need[i] for i in block) / len(block)
+        room = view.device.mem_bytes - view.device.runtime_reserve_bytes - pinned
+        out.append(max(room, 0.0) / max(per_block, 1.0))
+    return tuple(out)

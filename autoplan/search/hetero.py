@@ -62,9 +62,9 @@ def stage_group_names(cluster: ClusterSpec, config: ParallelConfig, cost: Any) -
 
 
 def plan_stages(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig,
-                stages: tuple[tuple[str, ...], ...], cost: Any) -> tuple[Stage, ...]:
+                stages: tuple[tuple[str, ...], ...], cost: Any, global_batch: int) -> tuple[Stage, ...]:
     """A plan's stages: the given split (or the one estimate_config priced), each with its node group."""
-    split = stages or tuple(cost.default_split(graph, cluster, config))
+    split = stages or tuple(cost.default_split(graph, cluster, config, global_batch))
     names = stage_group_names(cluster, config, cost) or ("",) * len(split)
     return tuple(Stage(index=i, layer_names=tuple(s), group=g) for i, (s, g) in enumerate(zip(split, names)))
 

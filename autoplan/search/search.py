@@ -147,7 +147,8 @@ def _dedupe(found: list[Candidate]) -> list[Candidate]:
 
 def _to_plan(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, cand: Candidate, *, rank: int,
              cost: Any, folded: tuple[str, ...] = ()) -> Plan:
-    stages = plan_stages(graph, cluster, cand.config, cand.stages, cost)  # with node groups (search/hetero.py)
+    # the split that was priced, with each stage's node group (search/hetero.py)
+    stages = plan_stages(graph, cluster, cand.config, cand.stages, cost, options.global_batch)
     return Plan(config=cand.config, estimate=cand.estimate, model_name=graph.model_name, cluster_name=cluster.name,
                 num_devices=cluster.num_devices, global_batch=options.global_batch, seq_len=graph.seq_len,
                 stages=stages,

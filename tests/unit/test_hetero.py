@@ -15,7 +15,7 @@ from test_cost_graph_helper import a100_cluster, gpt_graph
 from test_search_stages import problems
 
 from autoplan.cluster import Cluster
-from autoplan.cost import estimate_config, estimate_layer, rank_groups
+from autoplan.cost import default_split, estimate_config, estimate_layer, rank_groups
 from autoplan.plan.export import export_plan
 from autoplan.plan.io import plan_from_json, plan_to_json
 from autoplan.plan.types import ParallelConfig, Recompute
@@ -204,3 +204,20 @@ def test_homogeneous_estimates_are_unchanged_by_the_group_machinery() -> None:
     config = ParallelConfig(pp=2, dp=8, zero=1)
     a, b = (estimate_config(g, c, config, global_batch=16) for c in (one, both))
     assert math.isclose(a.step_time_s, b.step_time_s, rel_tol=1e-12) and a.peak_mem_bytes == b.peak_mem_bytes
+
+
+def test_default_split_gives_a_small_fast_group_what_its_memory_holds() -> None:
+    """The 3x node with only 2 GiB: by speed it would take 12 of 16 blocks (3.6 GiB); the default split
+    stops at what its memory holds, 6, where 7 already overflows it, and the slow node takes the rest."""
+    g = gpt_graph(h=1024, a=16, layers=16, seq=1024, vocab=1024)
+    slow, fast = (gr.spec for gr in two_kinds().groups)
+    small = dataclasses.replace(fast, device=dataclasses.replace(fast.device, mem_bytes=2 * 2**30))
+    cluster = Cluster.combine([(small, 1), (slow, 1)])
+    config = ParallelConfig(pp=2, dp=8)
+    by_speed = default_split(g, cluster, config)  # no batch given: speed alone
+    split = default_split(g, cluster, config, global_batch=8)
+    count = lambda s: sum(1 for n in s[0] if n.startswith("layers."))
+    assert (count(by_speed), count(split)) == (12, 6)
+    fits = [estimate_config(g, cluster, config, global_batch=8, stages=_split(g, k)).fits for k in (6, 7, 12)]
+    assert fits == [True, False, False]
+    assert estimate_config(g, cluster, config, global_batch=8).fits  # the default estimate uses this split
