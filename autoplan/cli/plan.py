@@ -215,8 +215,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     cluster = _cluster(args)
     config = config_from_args(args, cluster.num_devices)
     est = estimate(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
-    print(f"{args.model} on {cluster.num_devices} x {cluster.device.name}, global batch {args.global_batch}, "
-          f"seq {args.seq_len}")
+    devices = (" + ".join(f"{g.num_devices} x {g.spec.device.name}" for g in cluster.groups) if cluster.groups
+               else f"{cluster.num_devices} x {cluster.device.name}")
+    print(f"{args.model} on {devices}, global batch {args.global_batch}, seq {args.seq_len}")
     print("config: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()))
     print(f"step {est.step_time_s:.4f} s, {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}, "
           f"memory {est.peak_mem_bytes / _GIB:.1f} of {est.mem_capacity_bytes / _GIB:.0f} GiB per device"
