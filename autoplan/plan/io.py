@@ -16,7 +16,7 @@ SCHEMA_VERSION = 1
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
-    return {
+    out = {
         "schema_version": SCHEMA_VERSION,
         "model_name": plan.model_name,
         "cluster_name": plan.cluster_name,
@@ -30,6 +30,9 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "estimate": plan.estimate.to_dict(),
         "notes": list(plan.notes),
     }
+    if plan.fingerprint:  # optional: plans written before it existed round-trip unchanged
+        out["fingerprint"] = plan.fingerprint
+    return out
 
 
 def plan_from_dict(data: dict[str, Any]) -> Plan:
@@ -50,6 +53,7 @@ def plan_from_dict(data: dict[str, Any]) -> Plan:
             layer_recompute=tuple((n, r) for n, r in data.get("layer_recompute", ())),
             rank=data.get("rank", 0),
             notes=tuple(data.get("notes", ())),
+            fingerprint=str(data.get("fingerprint", "")),
         )
     except KeyError as exc:
         raise ValueError(f"plan JSON lacks the field {exc.args[0]!r}") from None

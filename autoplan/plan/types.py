@@ -282,6 +282,8 @@ class Plan:
     layer_recompute: tuple[tuple[str, Recompute], ...] = ()
     rank: int = 0  # 1 = best; 0 when not from a search
     notes: tuple[str, ...] = ()  # plain-language reasons, filled by the search
+    # graph.fingerprint.model_fingerprint of the model the plan was made for ("": unknown, not checked)
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
