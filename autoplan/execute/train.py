@@ -26,10 +26,11 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from autoplan.execute.apply import apply_plan, config_of
+from autoplan.execute.apply import apply_plan, config_of, recompute_lookup
 from autoplan.execute.checkpoint import load_checkpoint, save_checkpoint
 from autoplan.execute.context import zigzag_positions
 from autoplan.execute.fsdp import ZERO1_RUNS_AS_ZERO2
+from autoplan.execute.generic import build_generic_parts
 from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
     SCALE_GRADS,
@@ -39,6 +40,7 @@ from autoplan.execute.pipeline import (
     local_stage_indices,
 )
 from autoplan.execute.recompute import original_fqn
+from autoplan.execute.source import ModelSpec
 from autoplan.models import Transformer, preset
 from autoplan.plan.types import ParallelConfig, Plan
 
@@ -174,18 +176,26 @@ class _Job:
     optimizers: list[torch.optim.Optimizer]
     schedule: Any
     device: torch.device
+    vocab_size: int = 0
 
 
-def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
+def _setup(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
     config = config_of(plan)
     mesh = build_mesh(config, device_type=device.type)
     meshes = sub_meshes(mesh)
     config.num_microbatches(options.global_batch)  # raises when the batch does not divide
-    model = build_model(model_name, options.seed)
-    if options.seq_len > model.config.max_seq_len:
-        raise ValueError(f"seq_len {options.seq_len} exceeds {model_name}'s max_seq_len "
-                         f"{model.config.max_seq_len}: use --seq-len <= {model.config.max_seq_len}")
-    parts = apply_plan(model, plan, meshes, device=device)
+    if isinstance(model_name, ModelSpec) and not model_name.is_preset:  # any other model: execute.generic
+        parts = build_generic_parts(model_name, plan, meshes, device=device, seed=options.seed,
+                                    recompute_for=recompute_lookup(plan))
+        vocab_size = model_name.roles.vocab_size
+    else:
+        model_name = getattr(model_name, "name", model_name)
+        model = build_model(model_name, options.seed)
+        if options.seq_len > model.config.max_seq_len:
+            raise ValueError(f"seq_len {options.seq_len} exceeds {model_name}'s max_seq_len "
+                             f"{model.config.max_seq_len}: use --seq-len <= {model.config.max_seq_len}")
+        parts = apply_plan(model, plan, meshes, device=device)
+        vocab_size = model.config.vocab_size
     indices = local_stage_indices(config, meshes.rank_on("pp")) if config.pp > 1 else (0,)
     optimizers = [torch.optim.AdamW(p.parameters(), lr=options.lr, weight_decay=options.weight_decay,
                                     foreach=False) for p in parts]
@@ -194,7 +204,7 @@ def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, 
         schedule = build_schedule(parts, indices, config, pp_group=meshes.pp.get_group(), device=device,
                                   num_microbatches=config.num_microbatches(options.global_batch),
                                   loss_fn=cross_entropy)
-    return _Job(config, meshes, parts, indices, optimizers, schedule, device)
+    return _Job(config, meshes, parts, indices, optimizers, schedule, device, vocab_size)
 
 
 def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int) -> float | None:
@@ -226,12 +236,12 @@ def _global_loss(job: _Job, local: float | None) -> float:
     return float(value.item()) / (c.dp * c.ep * c.cp * c.tp)
 
 
-def train(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, *, device: torch.device,
+def train(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: TrainOptions, *, device: torch.device,
           on_step: Callable[[int], None] | None = None) -> TrainResult:
     """Run options.steps optimizer steps of the plan on this rank (the process group is initialised)."""
     job = _setup(model_name, plan, options, device)
     start = _maybe_resume(job, options)
-    vocab = job.parts[0].config.vocab_size
+    vocab = job.vocab_size
     tokens = load_tokens(options.data, vocab_size=vocab, seq_len=options.seq_len) if options.data else None
     n_mb = job.config.num_microbatches(options.global_batch)
     losses, times = [], []

@@ -34,6 +34,7 @@ class BlockRoles:
     column: tuple[str, ...] = ()  # nn.Linear split on output features: q, k, v, gate, up
     row: tuple[str, ...] = ()  # nn.Linear split on input features: o, down
     attention: str = ""  # the module holding q, k, v and o ("" when they have no common submodule)
+    attention_op: str = ""  # the module whose forward calls the fused attention op
     mlp: str = ""  # the module holding the dense MLP's projections, or the MoE layer
     experts: str = ""  # the routed experts (stacked 3-D weights or a ModuleList)
     norms: tuple[str, ...] = ()  # norms on the residual stream (outside attention and mlp)
@@ -174,6 +175,7 @@ def _block_roles(group: layers.Group, model: nn.Module, modules: dict[str, nn.Mo
     expert_path = experts.paths[0] if experts else ""
     unsupported: list[str] = []
     attn, shape = _attention_projections(nodes, inside, modules, unsupported)
+    attention_op = next((node_path(n) for n in nodes if ops.is_attention(n.target)), "")
     mlp_path = expert_path.rpartition(".")[0] if experts else ""
     column, row = list(attn[:3]), list(attn[3:])
     dense_col, dense_row = [], []
@@ -196,7 +198,7 @@ def _block_roles(group: layers.Group, model: nn.Module, modules: dict[str, nn.Mo
              if _is_norm(m) and not _under(p, attention) and not _under(p, mlp_path)]
     return BlockRoles(
         column=tuple(p for p in column if p) + tuple(dense_col), row=tuple(p for p in row if p) + tuple(dense_row),
-        attention=attention, mlp=mlp_path, experts=expert_path, norms=tuple(norms), unsupported=tuple(unsupported),
+        attention=attention, attention_op=attention_op, mlp=mlp_path, experts=expert_path, norms=tuple(norms), unsupported=tuple(unsupported),
         num_heads=shape[0], num_kv_heads=shape[1], head_dim=shape[2],
         ffn_hidden_size=experts.ffn_hidden_size if experts else max(
             (modules[p].out_features for p in dense_col), default=0),
