@@ -27,6 +27,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from autoplan.execute.recompute import original_fqn
 
 CHUNK_ELEMENTS = 1 << 20  # values per generator chunk (whole rows): 4 MB of float32
+# stacked expert weight <- per-expert matrices whose rows concatenate (Mixtral w1 = gate, w3 = up; Qwen2-MoE names)
+_EXPERT_SOURCES = {"gate_up_proj": (("w1", "w3"), ("gate_proj", "up_proj")), "down_proj": (("w2",), ("down_proj",))}
 
 
 def _chunk_seed(seed: int, name: str, chunk: int) -> int:
@@ -99,39 +101,73 @@ class WeightFiles:
         self._open: dict[Path, Any] = {}
 
     def key_for(self, name: str) -> str | None:
-        """The checkpoint key of parameter `name`: itself, or with / without the base model prefix
-        (Hugging Face checkpoints of GPT-2 store "h.0..." for "transformer.h.0...")."""
+        """The checkpoint key of parameter `name`: itself, with / without the base model prefix (Hugging Face
+        checkpoints of GPT-2 store "h.0..." for "transformer.h.0..."), or Mixtral's ".block_sparse_moe." name."""
         p = self.base_prefix
         candidates = [name]
         if p:
             candidates += [name[len(p) + 1:]] if name.startswith(p + ".") else [f"{p}.{name}"]
+        candidates += [c.replace(".mlp.", ".block_sparse_moe.") for c in candidates if ".mlp." in c]
         return next((c for c in candidates if c in self.file_of), None)
+
+    def expert_keys(self, name: str, num_experts: int) -> list[list[str]] | None:
+        """For a stacked-experts parameter of transformers 5 (`...experts.gate_up_proj` [E, 2f, h],
+        `...experts.down_proj` [E, h, f]) in a checkpoint of per-expert matrices (what save_pretrained writes,
+        transformers' conversion_mapping for mixtral / qwen2_moe): per expert, the keys whose rows concatenate."""
+        parent, _, leaf = name.rpartition(".")
+        if leaf not in _EXPERT_SOURCES or not parent.endswith("experts"):
+            return None
+        for prefix in dict.fromkeys([parent, parent.replace(".mlp.", ".block_sparse_moe.")]):
+            for names in _EXPERT_SOURCES[leaf]:
+                keys = [[f"{prefix}.{e}.{n}.weight" for n in names] for e in range(num_experts)]
+                if all(k in self.file_of for per in keys for k in per):
+                    return keys
+        return None
+
+    def _shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+        key = self.key_for(name)
+        if key is not None:
+            return self.shape_of[key]
+        keys = self.expert_keys(name, shape[0]) if shape else None
+        if keys is None:
+            return None
+        rows = sum(self.shape_of[k][0] for k in keys[0])
+        return (len(keys), rows, *self.shape_of[keys[0][0]][1:])
 
     def check(self, model: nn.Module) -> None:
         """ValueError, one line, unless every parameter of `model` is in the files with its shape."""
         for name, param in model.named_parameters():
-            key = self.key_for(name)
-            if key is None:
+            found = self._shape(name, tuple(param.shape))
+            if found is None:
                 sample = ", ".join(list(self.file_of)[:3])
                 raise ValueError(f"weights {self.path} hold no tensor {name} (shape {list(param.shape)}); they hold "
                                  f"e.g. {sample}: save the weights of this model (state_dict names)")
-            if self.shape_of[key] != tuple(param.shape):
-                raise ValueError(f"weights {self.path}: {key} has shape {list(self.shape_of[key])} but the model's "
-                                 f"{name} is {list(param.shape)}: the weights are of another model")
+            if found != tuple(param.shape):
+                raise ValueError(f"weights {self.path}: {name} has shape {list(found)} there but the model's is "
+                                 f"{list(param.shape)}: the weights are of another model")
 
-    def read(self, name: str, offset: tuple[int, ...], local: tuple[int, ...]) -> torch.Tensor:
+    def _slice(self, key: str, box: tuple[slice, ...]) -> torch.Tensor:
         from safetensors import safe_open
 
-        key = self.key_for(name)
-        if key is None:
-            raise KeyError(f"weights {self.path} hold no tensor {name}")
         file = self.file_of[key]
         if file not in self._open:
             self._open[file] = safe_open(str(file), framework="pt")
-        view = self._open[file].get_slice(key)
-        if not local:
-            return view[:] if self.shape_of[key] else self._open[file].get_tensor(key)
-        return view[tuple(slice(o, o + n) for o, n in zip(offset, local))]
+        if not self.shape_of[key]:
+            return self._open[file].get_tensor(key)
+        return self._open[file].get_slice(key)[box]
+
+    def read(self, name: str, offset: tuple[int, ...], local: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+        """The box [offset, offset + local) of parameter `name` (full shape `shape`)."""
+        box = tuple(slice(o, o + n) for o, n in zip(offset, local))
+        key = self.key_for(name)
+        if key is not None:
+            return self._slice(key, box)
+        keys = self.expert_keys(name, shape[0]) if shape else None
+        if keys is None:
+            raise KeyError(f"weights {self.path} hold no tensor {name}")
+        experts = [torch.cat([self._slice(k, (slice(None),)) for k in keys[e]])[box[1:]]
+                   for e in range(box[0].start, box[0].stop)]
+        return torch.stack(experts) if experts else torch.empty(local)
 
     def close(self) -> None:
         self._open.clear()
@@ -172,7 +208,7 @@ def materialise(model: nn.Module, *, device: torch.device, seed: int, std: float
                 fqn = original_fqn(f"{path}.{name}" if path else name)
                 offset, local = _box(param)
                 if weights is not None:
-                    values = weights.read(fqn, offset, local)
+                    values = weights.read(fqn, offset, local, tuple(param.shape))
                 else:
                     values = init_shard(fqn, tuple(param.shape), offset, local, seed=seed, std=std,
                                         kind=param_kind(module, name, tuple(param.shape)))
