@@ -21,8 +21,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from autoplan.graph.roles import ModelRoles, model_roles
+from autoplan.graph.roles import ModelRoles
 from autoplan.models.transformer import INIT_STD
 from autoplan.models.user import call_factory, hf_from_dir, is_file_spec, is_hf_dir, model_name_of
 
@@ -55,6 +56,31 @@ class ModelSpec:
         return load_meta(self.source)
 
 
+_INIT_OPS = frozenset({"normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                       "xavier_normal_", "trunc_normal_", "zero_", "zeros_", "ones_", "fill_", "constant_",
+                       "orthogonal_"})
+
+
+class SkipMetaInit(TorchFunctionMode):
+    """Skip the in-place init ops (nn.init.*, Tensor.normal_, ...) on meta tensors: they store nothing, and on
+    meta they run through torch._refs, whose first use imports torch._dynamo (about 2 s here)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") in _INIT_OPS:
+            target = args[0] if args else next(iter(kwargs.values()), None)
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def meta_device() -> Iterator[None]:
+    """Build on the meta device, skipping the init ops (SkipMetaInit)."""
+    with torch.device("meta"), SkipMetaInit():
+        yield
+
+
 @contextlib.contextmanager
 def params_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device (no memory, no init) while buffers
@@ -69,7 +95,8 @@ def params_on_meta() -> Iterator[None]:
 
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
-        yield
+        with SkipMetaInit():
+            yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
@@ -142,7 +169,7 @@ def model_spec(model: str | nn.Module, *, weights: str | None = None, seq_len: i
     if isinstance(model, str) and model in PRESETS:
         if weights:
             raise ValueError(f"weights are read for your own models, not for the preset {model!r}")
-        with torch.device("meta"):
+        with meta_device():
             return ModelSpec(name=model, source=model), preset(model)
     if isinstance(model, str):
         source = _absolute(model)
@@ -157,6 +184,8 @@ def model_spec(model: str | nn.Module, *, weights: str | None = None, seq_len: i
     else:
         raise ValueError(f"model must be a preset name, path/to/file.py:factory, a Hugging Face model directory or "
                          f"an nn.Module, got {type(model).__name__}")
+    from autoplan.graph.roles import model_roles
+
     roles = model_roles(meta, seq_len=seq_len)
     config = getattr(meta, "config", None)
     std = getattr(config, "initializer_range", None)
