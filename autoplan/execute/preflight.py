@@ -58,8 +58,8 @@ def check_plan(plan: Plan | ParallelConfig, *, global_batch: int, nproc_per_node
                          f"{config.tp} = {config.num_devices} devices but the plan says num_devices "
                          f"{plan.num_devices}: the plan was edited inconsistently; fix the degrees or plan again")
     if nproc_per_node and nproc_per_node * nnodes != config.num_devices:
-        raise ValueError(f"the plan needs pp*dp*ep*cp*tp = {config.num_devices} ranks but --nproc-per-node "
-                         f"{nproc_per_node} x {nnodes} node(s) launches {nproc_per_node * nnodes}: launch "
+        raise ValueError(f"the plan needs pp*dp*ep*cp*tp = {config.num_devices} ranks but --nproc-per-node is "
+                         f"{nproc_per_node} ({nnodes} node(s): {nproc_per_node * nnodes} ranks): launch "
                          f"{config.num_devices} processes or change the degrees")
     count = config.num_microbatches(global_batch)
     _check_schedule(config, count)
@@ -230,7 +230,7 @@ def preflight(plan: Plan | ParallelConfig, spec: ModelSpec, meta: nn.Module, *, 
         raise ValueError(problem)
     check_memory(spec, meta, plan, global_batch=global_batch, ranks_here=nproc_per_node or config.num_devices)
     if data is not None:
-        from autoplan.execute.train import load_tokens
+        from autoplan.execute.data import load_tokens
 
         load_tokens(data, vocab_size=sizes["vocab_size"], seq_len=seq_len)
 

@@ -15,7 +15,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,6 +28,13 @@ from torch.distributed.tensor.parallel import loss_parallel
 from autoplan.execute.apply import apply_plan, config_of, recompute_lookup
 from autoplan.execute.checkpoint import load_checkpoint, save_checkpoint
 from autoplan.execute.context import zigzag_positions
+from autoplan.execute.data import (  # noqa: F401 - the data functions' home was this module
+    TOKEN_FILE_FORMATS,
+    load_tokens,
+    make_batch,
+    sample_windows,
+    step_generator,
+)
 from autoplan.execute.fsdp import ZERO1_RUNS_AS_ZERO2
 from autoplan.execute.generic import build_generic_parts
 from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
@@ -85,59 +91,6 @@ def build_model(model_name: str, seed: int) -> Transformer:
     torch.manual_seed(seed)
     with torch.device("cpu"):
         return preset(model_name)
-
-
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The data generator of one step, the same under every plan."""
-    # the CPU generator keeps 32 bits of its seed; distinct for seeds < 4294 and steps < 1000003
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**32)
-
-
-def make_batch(seed: int, step: int, *, global_batch: int, seq_len: int, vocab_size: int) -> torch.Tensor:
-    """Token ids [global_batch, seq_len + 1] of one step; inputs and targets are its shift by one."""
-    generator = step_generator(seed, step)
-    return torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=generator)
-
-
-TOKEN_FILE_FORMATS = {".npy": "numpy array of token ids", ".bin": "raw uint16 token ids (nanoGPT's format)",
-                      ".pt": "torch tensor of token ids"}
-
-
-def load_tokens(path: str, *, vocab_size: int, seq_len: int) -> torch.Tensor:
-    """A user's token stream as a 1-D int64 tensor: .npy (memory-mapped), .bin (raw uint16, as nanoGPT's
-    prepare scripts write) or .pt. Every id must be below the model's vocabulary, and the stream must
-    hold at least one window of seq_len + 1 tokens."""
-    import numpy as np
-
-    suffix = Path(path).suffix
-    if suffix not in TOKEN_FILE_FORMATS:
-        known = ", ".join(f"{k} ({v})" for k, v in TOKEN_FILE_FORMATS.items())
-        raise ValueError(f"data file {path!r}: unknown format {suffix!r}; use one of {known}")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"data file {path!r} does not exist")
-    if suffix == ".npy":
-        tokens = torch.from_numpy(np.asarray(np.load(path, mmap_mode="r")).astype(np.int64))
-    elif suffix == ".bin":
-        tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
-    else:
-        tokens = torch.as_tensor(torch.load(path, weights_only=True)).long()
-    tokens = tokens.flatten()
-    if tokens.numel() < seq_len + 2:
-        raise ValueError(f"data file {path!r} holds {tokens.numel()} tokens: need at least seq_len + 2 = "
-                         f"{seq_len + 2}; use a longer file or a shorter --seq-len")
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"data file {path!r} has token ids in [{low}, {high}] but the model's vocabulary is "
-                         f"{vocab_size}: tokenize for this model or pick a model with a larger vocabulary")
-    return tokens
-
-
-def sample_windows(tokens: torch.Tensor, seed: int, step: int, *, global_batch: int, seq_len: int) -> torch.Tensor:
-    """[global_batch, seq_len + 1] windows of the token stream at offsets drawn from the same (seed, step)
-    generator as make_batch, so every plan sees the same data."""
-    generator = step_generator(seed, step)
-    starts = torch.randint(0, tokens.numel() - seq_len - 1, (global_batch,), generator=generator)
-    return torch.stack([tokens[int(i):int(i) + seq_len + 1] for i in starts])
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

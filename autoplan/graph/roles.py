@@ -93,11 +93,29 @@ def model_roles(model: nn.Module, *, seq_len: int = 16) -> ModelRoles:
     groups = layers.group_nodes(program.graph, units, shadow)
     taint = _taint(program)
     modules = dict(shadow.named_modules())
-    vocab = max((m.num_embeddings for m in modules.values() if isinstance(m, nn.Embedding)), default=0)
+    token = _token_embedding(program, modules)
+    vocab = modules[token].num_embeddings if token else max(
+        (m.num_embeddings for m in modules.values() if isinstance(m, nn.Embedding)), default=0)
     by_rep = {g.name: _block_roles(g, shadow, modules, taint) for g in groups if g.role is LayerRole.BLOCK}
     blocks = tuple((b, _moved(by_rep[rep_of.get(b, b)], rep_of.get(b, b), b)) for b in units.blocks
                    if rep_of.get(b, b) in by_rep)
-    return _assemble(groups, units, blocks, shadow, modules, vocab, rep_of)
+    return _assemble(groups, units, blocks, modules, vocab, rep_of, token)
+
+
+def _token_embedding(program: torch.export.ExportedProgram, modules: dict[str, nn.Module]) -> str:
+    """The nn.Embedding that looks up the model's input ids (not learned positions, which look up aranges)."""
+    specs = program.graph_signature.input_specs
+    user = {s.arg.name for s in specs if s.kind is InputKind.USER_INPUT}
+    for node in program.graph.nodes:
+        if ops.op_name(node.target) == "embedding" and len(node.args) > 1:
+            ids = node.args[1]
+            while isinstance(ids, fx.Node) and ids.op == "call_function" and ops.is_view(ids.target):
+                ids = ids.args[0]  # GPT-2 views the ids to [-1, S] first
+            if isinstance(ids, fx.Node) and ids.op == "placeholder" and ids.name in user:
+                path = node_path(node)
+                if isinstance(modules.get(path), nn.Embedding):
+                    return path
+    return ""
 
 
 def _taint(program: torch.export.ExportedProgram) -> layers.Taint:
@@ -107,8 +125,8 @@ def _taint(program: torch.export.ExportedProgram) -> layers.Taint:
     return layers.taint(program.graph, user, params)
 
 
-def _assemble(groups: list[layers.Group], units: layers.Units, blocks: tuple, model: nn.Module,
-              modules: dict[str, nn.Module], vocab: int, rep_of: dict[str, str]) -> ModelRoles:
+def _assemble(groups: list[layers.Group], units: layers.Units, blocks: tuple, modules: dict[str, nn.Module],
+              vocab: int, rep_of: dict[str, str], token: str) -> ModelRoles:
     unit_layers: list[LayerUnits] = []
     for group in groups:
         if group.role is LayerRole.BLOCK and rep_of:
@@ -121,8 +139,8 @@ def _assemble(groups: list[layers.Group], units: layers.Units, blocks: tuple, mo
     for unit in unit_layers:
         if unit.role in edge:
             edge[unit.role] += list(unit.paths)
-    embedding = _find(edge[LayerRole.EMBEDDING], modules, lambda m: isinstance(m, nn.Embedding)
-                      and m.num_embeddings == vocab)
+    embedding = token or _find(edge[LayerRole.EMBEDDING], modules, lambda m: isinstance(m, nn.Embedding)
+                               and m.num_embeddings == vocab)
     head = _find(edge[LayerRole.HEAD], modules, lambda m: isinstance(m, nn.Linear) and m.out_features == vocab)
     final_norm = _find(edge[LayerRole.HEAD], modules, _is_norm)
     tied = bool(embedding and head and modules[head].weight is modules[embedding].weight)
