@@ -35,6 +35,11 @@ _EXPORTS = {
     "Schedule": "autoplan.plan.types",
     "Recompute": "autoplan.plan.types",
     "MeshAxis": "autoplan.plan.types",
+    "serve_plan": "autoplan.serve.api",
+    "serve_estimate": "autoplan.serve.api",
+    "ServePlans": "autoplan.serve.api",
+    "ServeConfig": "autoplan.serve.types",
+    "ServeEstimate": "autoplan.serve.types",
 }
 
 __all__ = [
@@ -52,11 +57,16 @@ __all__ = [
     "Plans",
     "Recompute",
     "Schedule",
+    "ServeConfig",
+    "ServeEstimate",
+    "ServePlans",
     "__version__",
     "autoplan",
     "capture",
     "estimate",
     "execute",
+    "serve_estimate",
+    "serve_plan",
 ]
 
 

@@ -28,7 +28,7 @@ from autoplan.execute.tensor_parallel import apply_tensor_parallel_roles, vocab_
 from autoplan.execute.weights import WeightFiles, materialise
 from autoplan.graph.roles import ModelRoles
 from autoplan.graph.types import LayerRole
-from autoplan.plan.layout import default_stages, num_stages
+from autoplan.plan.layout import ZeroLayout, default_stages, num_stages
 from autoplan.plan.types import ParallelConfig, Plan, Recompute, Stage
 
 _WRAPPED = "_checkpoint_wrapped_module"
@@ -121,14 +121,16 @@ def apply_context_parallel_roles(part: nn.Module, roles: ModelRoles, *, cp_mesh)
 
 
 def shard_weights_and_data(part: nn.Module, roles: ModelRoles, config: ParallelConfig, meshes: SubMeshes, *,
-                           device: torch.device, seed: int, std: float, weights: WeightFiles | None) -> None:
-    """Materialise this rank's shards and apply data parallelism, block by block (see the module docstring).
-    Dense parameters are data parallel over dp*ep*cp, experts (sharded over ep) over dp*cp (execute.fsdp)."""
+                           layout: ZeroLayout, device: torch.device, seed: int, std: float,
+                           weights: WeightFiles | None) -> None:
+    """Materialise this rank's shards and apply data parallelism as `layout` says (execute.fsdp's wrapping),
+    block by block (see the module docstring). Dense parameters are data parallel over dp*ep*cp, experts
+    (sharded over ep) over dp*cp."""
     fill = {"device": device, "seed": seed, "std": std, "weights": weights}
     if meshes.dense_dp.size() == 1 and config.ep == 1:
         materialise(part, **fill)
         return
-    wrap = _wrapper(config.zero)
+    wrap = _wrapper(layout)
     for path in _blocks_in(part, roles):
         block = resolve(part, path)
         materialise(block, prefix=path, **fill)
@@ -141,19 +143,19 @@ def shard_weights_and_data(part: nn.Module, roles: ModelRoles, config: ParallelC
 
 
 def build_generic_parts(spec: ModelSpec, plan: Plan | ParallelConfig, meshes: SubMeshes, *, device: torch.device,
-                        seed: int, recompute_for: Callable[[str], Recompute]) -> list[nn.Module]:
+                        seed: int, recompute_for: Callable[[str], Recompute], layout: ZeroLayout) -> list[nn.Module]:
     """This rank's parts of the model of `spec`, parallelised as the plan says, weights filled."""
     config, roles = config_of(plan), spec.roles
     assert roles is not None, "a preset has no roles: use apply.apply_plan"
     skeleton = spec.build()
-    layout = {"family": spec.family, "seq_factor": config.tp if config.sp else 1, "cp": config.cp,
+    runner = {"family": spec.family, "seq_factor": config.tp if config.sp else 1, "cp": config.cp,
               "cp_rank": meshes.rank_on("cp")}
     if config.pp > 1:
         split = stage_blocks(roles, plan)
-        parts = [build_stage(skeleton, roles, blocks=split[i], first=i == 0, last=i == len(split) - 1, **layout)
+        parts = [build_stage(skeleton, roles, blocks=split[i], first=i == 0, last=i == len(split) - 1, **runner)
                  for i in local_stage_indices(config, meshes.rank_on("pp"))]
     else:
-        parts = [build_stage(skeleton, roles, blocks=None, first=True, last=True, **layout)]
+        parts = [build_stage(skeleton, roles, blocks=None, first=True, last=True, **runner)]
     vocab = vocab_parallel(roles, skeleton, config.tp)
     del skeleton
     weights = WeightFiles(spec.weights, base_prefix=spec.base_prefix) if spec.weights else None
@@ -163,8 +165,8 @@ def build_generic_parts(spec: ModelSpec, plan: Plan | ParallelConfig, meshes: Su
         apply_experts(part, ep_mesh=meshes.ep, paths=experts)
         apply_context_parallel_roles(part, roles, cp_mesh=meshes.cp)
         apply_recompute_roles(part, roles, spec.family, recompute_for=recompute_for)
-        shard_weights_and_data(part, roles, config, meshes, device=device, seed=seed, std=spec.init_std,
-                               weights=weights)
+        shard_weights_and_data(part, roles, config, meshes, layout=layout, device=device, seed=seed,
+                               std=spec.init_std, weights=weights)
     if weights is not None:
         weights.close()
     return parts

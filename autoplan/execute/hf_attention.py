@@ -48,11 +48,11 @@ def autoplan_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor
 
 
 def use_autoplan_attention(model: nn.Module) -> None:
-    """Register the function (once) and select it in the model's config (shared by its attention modules)."""
+    """Register the function (transformers >= 4.48) and select it in the model's config (the config object its
+    attention modules share)."""
     from transformers import AttentionInterface
 
-    if IMPLEMENTATION not in AttentionInterface._global_mapping:
-        AttentionInterface.register(IMPLEMENTATION, autoplan_attention)
+    AttentionInterface.register(IMPLEMENTATION, autoplan_attention)  # idempotent: the same name, the same function
     model.config._attn_implementation = IMPLEMENTATION
 
 

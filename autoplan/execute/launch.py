@@ -75,12 +75,13 @@ def write_plan(plan_or_config: Plan | ParallelConfig, path: str | Path, *, globa
 
 
 def torchrun_command(worker_args: Sequence[str], *, nproc_per_node: int,
-                     launcher_args: Sequence[str] = ()) -> list[str]:
-    """torchrun (as `python -m torch.distributed.run`) around the worker; --standalone unless the
-    launcher arguments configure a multi-node rendezvous (--nnodes, --rdzv-endpoint, ...)."""
+                     launcher_args: Sequence[str] = (), module: str = "autoplan.execute.worker") -> list[str]:
+    """torchrun (as `python -m torch.distributed.run`) around the worker module (the training worker,
+    or autoplan.execute.serve's decode loop); --standalone unless the launcher arguments configure a
+    multi-node rendezvous (--nnodes, --rdzv-endpoint, ...)."""
     multi_node = any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in launcher_args)
     cmd = [sys.executable, "-m", "torch.distributed.run", *([] if multi_node else ["--standalone"]),
-           f"--nproc-per-node={nproc_per_node}", *launcher_args, "-m", "autoplan.execute.worker"]
+           f"--nproc-per-node={nproc_per_node}", *launcher_args, "-m", module]
     return cmd + list(worker_args)
 
 

@@ -24,16 +24,18 @@ from torch.distributed.tensor.parallel import (
 
 from autoplan.graph.roles import BlockRoles, ModelRoles
 from autoplan.models import MoE, Transformer
+from autoplan.plan.layout import divisibility_errors
+from autoplan.plan.types import ParallelConfig
 
 
 def check_tensor_parallel(model: Transformer, tp: int) -> None:
-    """Raise ValueError when heads, kv heads, ffn width or vocabulary do not divide by tp."""
+    """Raise ValueError when heads, kv heads, ffn width or vocabulary do not divide by tp (the rules of
+    plan.layout.divisibility_errors, which the search and the cost model use too)."""
     c = model.config
-    sizes = {"num_heads": c.num_heads, "num_kv_heads": c.num_kv_heads, "ffn_hidden_size": c.ffn_hidden_size,
-             "vocab_size": c.vocab_size}
-    for name, size in sizes.items():
-        if size % tp:
-            raise ValueError(f"tp={tp} does not divide {c.name}'s {name}={size}: choose a tp that divides it")
+    errors = divisibility_errors(ParallelConfig(tp=tp), num_heads=c.num_heads, num_kv_heads=c.num_kv_heads,
+                                 ffn_hidden_size=c.ffn_hidden_size, vocab_size=c.vocab_size)
+    if errors:
+        raise ValueError(f"{c.name}: {errors[0]}")
 
 
 def apply_tensor_parallel(model: Transformer, *, tp_mesh: DeviceMesh, sp: bool) -> None:

@@ -10,6 +10,7 @@ hold equal zig-zag shards of each sequence (chunks r and 2cp-1-r of 2*cp), so th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 import statistics
 import time
@@ -21,7 +22,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -35,7 +35,7 @@ from autoplan.execute.data import (  # noqa: F401 - the data functions' home was
     sample_windows,
     step_generator,
 )
-from autoplan.execute.fsdp import ZERO1_RUNS_AS_ZERO2
+from autoplan.execute.fsdp import prepare_microbatch
 from autoplan.execute.generic import build_generic_parts
 from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
@@ -47,7 +47,8 @@ from autoplan.execute.pipeline import (
 )
 from autoplan.execute.recompute import original_fqn
 from autoplan.execute.source import ModelSpec
-from autoplan.models import Transformer, preset
+from autoplan.models import Transformer, TransformerConfig, preset, preset_config
+from autoplan.plan.layout import ZeroLayout, divisibility_errors, zero_layout
 from autoplan.plan.types import ParallelConfig, Plan
 
 
@@ -129,25 +130,42 @@ class _Job:
     optimizers: list[torch.optim.Optimizer]
     schedule: Any
     device: torch.device
+    layout: ZeroLayout  # the ZeRO layout of plan.layout.zero_layout
     vocab_size: int = 0
+
+
+def check_divides(model_config: TransformerConfig, config: ParallelConfig, options: TrainOptions) -> None:
+    """Refuse, with the first line of plan.layout.divisibility_errors (the rule the search filters with and
+    the cost model refuses with), a plan whose degrees do not divide the model, the sequence or the batch."""
+    c = model_config
+    errors = divisibility_errors(config, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads or c.num_heads,
+                                 ffn_hidden_size=c.ffn_hidden_size or 0, num_experts=c.num_experts,
+                                 vocab_size=c.vocab_size, seq_len=options.seq_len, num_blocks=c.num_layers,
+                                 global_batch=options.global_batch)
+    if errors:
+        raise ValueError(f"{c.name}: {errors[0]}")
 
 
 def _setup(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
     config = config_of(plan)
+    generic = isinstance(model_name, ModelSpec) and not model_name.is_preset
+    if not generic:  # other models: execute.preflight checked them in the parent, with their roles
+        model_name = getattr(model_name, "name", model_name)
+        check_divides(preset_config(model_name), config, options)
     mesh = build_mesh(config, device_type=device.type)
     meshes = sub_meshes(mesh)
-    config.num_microbatches(options.global_batch)  # raises when the batch does not divide
-    if isinstance(model_name, ModelSpec) and not model_name.is_preset:  # any other model: execute.generic
+    num_microbatches = config.num_microbatches(options.global_batch)  # raises when the batch does not divide
+    layout = zero_layout(config, num_microbatches)  # what the cost model priced
+    if generic:  # any other model: execute.generic
         parts = build_generic_parts(model_name, plan, meshes, device=device, seed=options.seed,
-                                    recompute_for=recompute_lookup(plan))
+                                    recompute_for=recompute_lookup(plan), layout=layout)
         vocab_size = model_name.roles.vocab_size
     else:
-        model_name = getattr(model_name, "name", model_name)
         model = build_model(model_name, options.seed)
         if options.seq_len > model.config.max_seq_len:
             raise ValueError(f"seq_len {options.seq_len} exceeds {model_name}'s max_seq_len "
                              f"{model.config.max_seq_len}: use --seq-len <= {model.config.max_seq_len}")
-        parts = apply_plan(model, plan, meshes, device=device)
+        parts = apply_plan(model, plan, meshes, device=device, num_microbatches=num_microbatches)
         vocab_size = model.config.vocab_size
     indices = local_stage_indices(config, meshes.rank_on("pp")) if config.pp > 1 else (0,)
     optimizers = [torch.optim.AdamW(p.parameters(), lr=options.lr, weight_decay=options.weight_decay,
@@ -155,9 +173,8 @@ def _setup(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: Tr
     schedule = None
     if config.pp > 1:
         schedule = build_schedule(parts, indices, config, pp_group=meshes.pp.get_group(), device=device,
-                                  num_microbatches=config.num_microbatches(options.global_batch),
-                                  loss_fn=cross_entropy)
-    return _Job(config, meshes, parts, indices, optimizers, schedule, device, vocab_size)
+                                  num_microbatches=num_microbatches, loss_fn=cross_entropy)
+    return _Job(config, meshes, parts, indices, optimizers, schedule, device, layout, vocab_size)
 
 
 def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int) -> float | None:
@@ -173,8 +190,8 @@ def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, nu
         part, total = job.parts[0], None
         for i, (mb_inputs, mb_targets) in enumerate(zip(inputs.chunk(num_microbatches),
                                                         targets.chunk(num_microbatches))):
-            if isinstance(part, FSDPModule):  # accumulate locally, reduce once after the last microbatch
-                part.set_requires_gradient_sync(i == num_microbatches - 1)
+            # reduce now or accumulate, free the gathered weights or keep them: as zero_layout says
+            prepare_microbatch(part, job.layout, last=i == num_microbatches - 1)
             loss = cross_entropy(part(mb_inputs), mb_targets) / num_microbatches
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()  # one device sync, below
@@ -267,8 +284,8 @@ def report(result: TrainResult, *, plan: Plan | ParallelConfig, model_name: str,
         "peak_mem_bytes_per_rank": peak_mem_per_rank,
         "optimizer": {"name": "AdamW", "lr": options.lr, "weight_decay": options.weight_decay,
                       "betas": [0.9, 0.999], "eps": 1e-8},
-        "numerics": {"dtype": "float32", "pipeline_scale_grads": SCALE_GRADS,
-                     "zero1_runs_as_zero2": ZERO1_RUNS_AS_ZERO2 and config.zero == 1, "grad_clip": None},
+        "numerics": {"dtype": "float32", "pipeline_scale_grads": SCALE_GRADS, "grad_clip": None},
+        "zero_layout": dataclasses.asdict(zero_layout(config, config.num_microbatches(options.global_batch))),
     }
     if isinstance(plan, Plan):
         out["predicted_step_time_s"] = plan.estimate.step_time_s

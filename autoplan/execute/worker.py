@@ -104,17 +104,24 @@ def _run(args: argparse.Namespace, rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return run_guarded(args.run_dir, lambda rank: _run(args, rank))
+
+
+def run_guarded(run_dir: str, body: Callable[[int], None]) -> int:
+    """Run body(rank) with the launcher's failure protocol: the stack on SIGTERM to
+    <run-dir>/stack-<rank>.txt, a failure's traceback to <run-dir>/error-<rank>.json, then exit 1
+    (launch.diagnose reads both). Shared by the training worker and autoplan.execute.serve."""
     rank = int(os.environ.get("RANK", "0"))
-    os.makedirs(args.run_dir, exist_ok=True)
+    os.makedirs(run_dir, exist_ok=True)
     # kept open for the life of the process: faulthandler writes to it on SIGTERM
-    stack_file = open(os.path.join(args.run_dir, f"stack-{rank}.txt"), "w")  # noqa: SIM115
+    stack_file = open(os.path.join(run_dir, f"stack-{rank}.txt"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGTERM, file=stack_file, all_threads=True, chain=True)
     try:
-        _run(args, rank)
+        body(rank)
     except BaseException as exc:  # noqa: BLE001 - recorded for the launcher, then the rank exits 1
         record = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
                   "traceback": traceback.format_exc()}
-        path = os.path.join(args.run_dir, f"error-{rank}.json")
+        path = os.path.join(run_dir, f"error-{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
         os.replace(path + ".tmp", path)

@@ -82,7 +82,14 @@ def capture(
         num_nodes=sum(layer.num_nodes for layer in built),
         capture_method=method,
         notes=tuple(notes),
+        input_shape=_sample_shape(args, kwargs),
     )
+
+
+def _sample_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """One sample's shape of the first tensor input (its batch dimension dropped)."""
+    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+    return tuple(int(d) for d in first.shape[1:]) if first is not None and first.dim() > 0 else ()
 
 
 def _check_size(name: str, value: Any) -> None:

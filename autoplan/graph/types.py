@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from autoplan.plan.layout import divisibility_errors
+from autoplan.plan.types import ParallelConfig
+
 
 class LayerRole(str, Enum):
     EMBEDDING = "embedding"  # token (and position) embedding: first pipeline stage
@@ -79,6 +82,9 @@ class LayerGraph:
     vocab_size: int = 0
     num_nodes: int = 0  # graph nodes captured (for reporting)
     capture_method: str = ""  # "export", "symbolic_trace", ...
+    # the shape of one sample of the model's first input as captured (batch dimension dropped): (seq_len,)
+    # for token ids, (channels, height, width) for an image model; () when not known
+    input_shape: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -92,6 +98,20 @@ class LayerGraph:
     @property
     def blocks(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.role is LayerRole.BLOCK)
+
+    def divisibility_errors(self, config: ParallelConfig, *, global_batch: int | None = None) -> tuple[str, ...]:
+        """Every way `config` fails to divide this model, one line each (empty when it runs): the rules of
+        plan.layout.divisibility_errors (their one home) for each distinct block shape (heads, kv heads,
+        FFN width), with the model's vocabulary, routed experts, seq_len and block count."""
+        blocks = self.blocks or self.layers
+        experts = max((b.num_experts for b in blocks), default=0)
+        out: dict[str, None] = {}
+        for heads, kv_heads, ffn in dict.fromkeys((b.num_heads, b.num_kv_heads, b.ffn_hidden_size) for b in blocks):
+            out.update(dict.fromkeys(divisibility_errors(
+                config, num_heads=heads, num_kv_heads=kv_heads, ffn_hidden_size=ffn, num_experts=experts,
+                vocab_size=self.vocab_size, seq_len=self.seq_len, num_blocks=len(self.blocks),
+                global_batch=global_batch)))
+        return tuple(out)
 
     def kinds(self) -> dict[str, tuple[Layer, ...]]:
         """Layers grouped by kind, in first-appearance order."""

@@ -25,7 +25,10 @@ _module_graphs: weakref.WeakKeyDictionary[Any, dict[int, LayerGraph]] = weakref.
 
 
 class Plans(tuple):
-    """The ranked plans, best first: a tuple of Plan that prints as a table."""
+    """The ranked plans, best first: a tuple of Plan that prints as a table. `candidates` holds what the
+    search estimated (search.search's record: "quick", "exact"), for `pareto_png`."""
+
+    candidates: dict[str, Any] | None = None
 
     @property
     def best(self) -> Plan:
@@ -35,6 +38,12 @@ class Plans(tuple):
         from autoplan.search.table import plans_table
 
         return plans_table(self)
+
+    def pareto_png(self, path: str | Path) -> None:
+        """Plot step time against memory for the candidates (autoplan.search.pareto)."""
+        from autoplan.search.pareto import pareto_png
+
+        pareto_png(self, self.candidates, path)
 
     def __rich__(self) -> Any:
         return self.table()
@@ -151,9 +160,12 @@ def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k
     search_options, cluster_options = _split_options(options)
     spec = load_cluster(cluster, **cluster_options)
     opts = SearchOptions(global_batch=global_batch, top_k=top_k, **search_options)
-    plans = search(model_graph(model, seq_len), spec, opts)
+    record: dict[str, Any] = {}
+    found = search(model_graph(model, seq_len), spec, opts, record=record)
     fingerprint = fingerprint_of(model)
-    return Plans(dataclasses.replace(plan, fingerprint=fingerprint) for plan in plans)
+    plans = Plans(dataclasses.replace(plan, fingerprint=fingerprint) for plan in found)
+    plans.candidates = record
+    return plans
 
 
 def check_config(config: ParallelConfig, cluster: ClusterSpec, global_batch: int) -> None:
