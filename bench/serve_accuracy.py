@@ -1,7 +1,7 @@
 """Serving predictions against published measurements: prints each row's prediction and error, the
 median error per metric, and whether the predicted ordering of TP choices matches the published one.
 
-    python bench/serve_accuracy.py [--csv bench/data/serving/measurements.csv] [--verbose]
+    python bench/serve_accuracy.py [--csv bench/data/serving/measurements.csv] [--verbose] [--simulate]
 
 Data: bench/data/serving/measurements.csv (one published figure per row), sources.json (each source's
 URL, title and conditions), models.json (shapes beyond the presets). Nothing is fitted: the model
@@ -46,7 +46,7 @@ def _graph(name: str):
     return capture(model, seq_len=32, microbatch=1, model_name=name)
 
 
-def predict(row: dict) -> float:
+def predict(row: dict, simulate: bool = False) -> float:
     """The model's figure for one measurement row, in the row's unit."""
     from autoplan.serve.api import load_serving, serve_estimate
     from autoplan.serve.estimate import static_batch
@@ -61,7 +61,7 @@ def predict(row: dict) -> float:
                   "tput_per_gpu": load * o / e2e / tp}
         return values[row["metric"]]
     est = serve_estimate(graph, row["cluster"], {"tp": tp, "max_batch": 2048}, input_len=i, output_len=o,
-                         concurrency=load, engine=row["engine"], **options)
+                         concurrency=load, engine=row["engine"], simulate=simulate, **options)
     return {"ttft_ms": est.ttft_s * 1e3, "tpot_ms": est.tpot_s * 1e3,
             "tput_per_gpu": est.tokens_per_s_per_gpu}[row["metric"]]
 
@@ -100,13 +100,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--csv", default=str(DATA / "measurements.csv"))
     p.add_argument("--verbose", action="store_true", help="print every row")
+    p.add_argument("--simulate", action="store_true",
+                   help="closed-loop rows by the discrete-event simulation instead of Little's law + M/D/1")
     args = p.parse_args(argv)
     with open(args.csv, newline="") as f:
         rows = list(csv.DictReader(f))
     errors: dict[str, list[float]] = defaultdict(list)
     by_source: dict[str, list[float]] = defaultdict(list)
     for r in rows:
-        r["pred"] = predict(r)
+        r["pred"] = predict(r, args.simulate)
         meas = float(r["value"])
         err = r["pred"] / meas - 1 if math.isfinite(r["pred"]) else math.inf
         r["err"] = err

@@ -23,6 +23,11 @@ def register(subparsers: Any) -> None:
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--concurrency", type=int, help="clients in a closed loop")
     load.add_argument("--rate", type=float, help="Poisson arrivals, requests/s")
+    p.add_argument("--burstiness", type=float, default=None, metavar="K",
+                   help="with --rate: gamma shape of arrival gaps (1 = Poisson, < 1 burstier; vLLM benchmark_serving's "
+                        "--burstiness); != 1 evaluates the queue by discrete-event simulation")
+    p.add_argument("--simulate", action="store_true", default=None,
+                   help="evaluate the queue by discrete-event simulation instead of Little's law")
     p.add_argument("--ttft-slo", dest="ttft_slo", type=float, default=None, metavar="S", help="TTFT limit, seconds")
     p.add_argument("--tpot-slo", dest="tpot_slo", type=float, default=None, metavar="S", help="TPOT limit, seconds")
     p.add_argument("--engine", default=None, metavar="NAME|PATH", help="vllm (default), sglang, tensorrt-llm, or a YAML")
@@ -40,7 +45,8 @@ def register(subparsers: Any) -> None:
     split.add_argument("--aggregated-only", dest="disaggregated", action="store_false", default=None)
     split.add_argument("--disaggregated-only", dest="disaggregated", action="store_true")
     run = p.add_argument_group("run the plan on local gloo ranks (a static batch of --concurrency prompts)")
-    run.add_argument("--run", action="store_true", help="time the best plan of each --tp value for real")
+    run.add_argument("--run", action="store_true",
+                     help="time each --tp x --pp layout (else the best plan's) for real on local gloo ranks")
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--repeats", type=int, default=3, help="timed runs after one warm-up (median)")
     p.set_defaults(func=cmd_serve)
@@ -48,7 +54,8 @@ def register(subparsers: Any) -> None:
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"num_nodes": args.nodes}
-    for name in ("devices_per_node", "dtype", "kv_dtype", "tp", "pp", "ep", "replicas", "max_batch", "disaggregated"):
+    for name in ("devices_per_node", "dtype", "kv_dtype", "tp", "pp", "ep", "replicas", "max_batch", "disaggregated",
+                 "burstiness", "simulate"):
         value = getattr(args, name)
         if value is not None:
             out[name] = tuple(value) if isinstance(value, list) else value
@@ -60,6 +67,10 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.burstiness is not None and not args.burstiness > 0:
+        raise ValueError(f"--burstiness must be a positive number (1 = Poisson), got {args.burstiness}")
+    if args.burstiness is not None and args.rate is None:
+        raise ValueError("--burstiness shapes open-loop arrivals: give --rate, not --concurrency")
     if args.run and args.concurrency is None:
         raise ValueError("--run times a static batch of --concurrency prompts: give --concurrency, not --rate")
     if args.run and ":" in args.model:
@@ -94,45 +105,48 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, plans: Any) -> int:
-    """Time the best aggregated pp = 1 plan of each tp (the --tp values, else the best plan's) with the
-    decode loop of autoplan.execute.serve, next to the prediction for that loop: the torch-eager engine on
-    the cluster profile scaled to tp ranks on this machine's cores (autoplan.serve.local)."""
+    """Time each tp x pp layout of the --tp and --pp values (else the best plan's) with the decode loop
+    of autoplan.execute.serve, next to the prediction for that loop: the torch-eager engine on the
+    cluster profile scaled to the run's ranks on this machine's cores (autoplan.serve.local)."""
     from autoplan.execute.launch import RunFailed
     from autoplan.execute.serve import run_serve
 
-    tps = sorted(set(args.tp or [plans.best.config.tp]))
+    layouts = [(tp, pp) for pp in sorted(set(args.pp or [plans.best.config.pp]))
+               for tp in sorted(set(args.tp or [plans.best.config.tp]))]
     rows = []
-    for tp in tps:
-        ttft, tpot = _predict_run(args, tp)
+    for tp, pp in layouts:
+        ttft, tpot = _predict_run(args, tp, pp)
         try:
-            measured = run_serve(args.model, tp=tp, batch=args.concurrency, input_len=args.input_len,
+            measured = run_serve(args.model, tp=tp, pp=pp, batch=args.concurrency, input_len=args.input_len,
                                  output_len=args.output_len, seed=args.seed, repeats=args.repeats,
                                  out=open(os.devnull, "w"))  # noqa: SIM115 - closed with the process
         except RunFailed as exc:
-            print(f"autoplan serve --run: FAILED at tp={tp}: {exc}", file=sys.stderr)
+            print(f"autoplan serve --run: FAILED at tp={tp} pp={pp}: {exc}", file=sys.stderr)
             return 1
-        rows.append((tp, ttft, tpot, measured["ttft_s"], measured["tpot_s"]))
+        rows.append((f"{tp}x{pp}" if pp > 1 else str(tp), ttft, tpot, measured["ttft_s"], measured["tpot_s"]))
     print(f"--run: {args.model}, static batch {args.concurrency}, {args.input_len} in / {args.output_len} out, "
           f"gloo ranks on {os.cpu_count()} cores (timings are noisy while the machine is shared)")
-    print(f"{'tp':>3} {'TTFT pred ms':>13} {'TTFT meas ms':>13} {'TPOT pred ms':>13} {'TPOT meas ms':>13}")
-    for tp, pt, pp, mt, mp in rows:
-        print(f"{tp:>3} {pt * 1e3:>13.2f} {mt * 1e3:>13.2f} {pp * 1e3:>13.2f} {mp * 1e3:>13.2f}")
+    print(f"{'tp':>5} {'TTFT pred ms':>13} {'TTFT meas ms':>13} {'TPOT pred ms':>13} {'TPOT meas ms':>13}")
+    for name, pt, pp_, mt, mp in rows:
+        print(f"{name:>5} {pt * 1e3:>13.2f} {mt * 1e3:>13.2f} {pp_ * 1e3:>13.2f} {mp * 1e3:>13.2f}")
     pred_order = [r[0] for r in sorted(rows, key=lambda r: r[2])]
     meas_order = [r[0] for r in sorted(rows, key=lambda r: r[4])]
     verdict = "matches" if pred_order == meas_order else "DIFFERS from"
-    print(f"TPOT order by tp, fastest first: predicted {pred_order}, measured {meas_order}: the prediction "
+    label = "tp" if all("x" not in r[0] for r in rows) else "tp x pp"
+    print(f"TPOT order by {label}, fastest first: predicted {pred_order}, measured {meas_order}: the prediction "
           f"{verdict} the measurement")
     return 0
 
 
-def _predict_run(args: argparse.Namespace, tp: int) -> tuple[float, float]:
+def _predict_run(args: argparse.Namespace, tp: int, pp: int = 1) -> tuple[float, float]:
     from autoplan.search.api import load_cluster
     from autoplan.serve.api import load_serving
     from autoplan.serve.estimate import static_batch
     from autoplan.serve.local import scale_for_ranks
 
-    cluster = scale_for_ranks(load_cluster(args.cluster), ranks=tp, cores=os.cpu_count() or 1)
+    # one micro-batch: one stage (its tp ranks) computes at a time
+    cluster = scale_for_ranks(load_cluster(args.cluster), ranks=tp * pp, cores=os.cpu_count() or 1, busy=tp)
     model, hw = load_serving(args.model, cluster, "torch-eager")  # the loop runs in the profile's dtype
-    ttft, tpot, _ = static_batch(model, hw, tp=tp, batch=args.concurrency, input_len=args.input_len,
+    ttft, tpot, _ = static_batch(model, hw, tp=tp, pp=pp, batch=args.concurrency, input_len=args.input_len,
                                  output_len=args.output_len)
     return ttft, tpot

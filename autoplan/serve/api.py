@@ -17,13 +17,14 @@ from typing_extensions import Self
 
 from autoplan.serve.engine import load_engine
 from autoplan.serve.model import serve_model
-from autoplan.serve.physics import Hardware, gemm_peak_flops
+from autoplan.serve.physics import Hardware, gemm_efficiency, gemm_peak_flops
 from autoplan.serve.plan import ServePlan
 from autoplan.serve.search import Scored, ServeSearchOptions, min_devices, search
 from autoplan.serve.types import ServeConfig, ServeEstimate, ServeModel, Workload
 
 _CAPTURE_SEQ_LEN = 32  # shapes and parameter counts do not depend on it; short keeps capture fast
 _MODEL_OPTIONS = ("dtype", "kv_dtype")
+_WORKLOAD_OPTIONS = ("burstiness", "simulate")
 _CLUSTER_OPTIONS = ("num_nodes", "devices_per_node")
 _SEARCH_OPTIONS = tuple(f.name for f in dataclasses.fields(ServeSearchOptions))
 
@@ -85,7 +86,8 @@ def load_serving(model: Any, cluster: Any, engine: Any = None, **options: Any) -
         graph = model if isinstance(model, LayerGraph) else model_graph(model, _CAPTURE_SEQ_LEN)
         served = serve_model(graph, weight_dtype=dtype, kv_dtype=options.get("kv_dtype"), act_dtype=act)
     hw = Hardware(cluster=spec, engine=eng, peak_flops=gemm_peak_flops(spec, served.weight_bytes, act),
-                  attention_peak_flops=spec.device.peak(act))
+                  attention_peak_flops=spec.device.peak(act),
+                  gemm_efficiency=gemm_efficiency(spec, served.weight_bytes))
     return served, hw
 
 
@@ -93,6 +95,14 @@ def _check_options(options: Mapping[str, Any], allowed: tuple[str, ...]) -> None
     unknown = sorted(set(options) - set(allowed))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}: known are {sorted(allowed)}")
+
+
+def _workload(input_len: int, output_len: int, concurrency: int | None, rate: float | None,
+              options: Mapping[str, Any]) -> Workload:
+    extra = {k: options[k] for k in _WORKLOAD_OPTIONS if k in options}
+    if "simulate" in extra and not isinstance(extra["simulate"], bool):
+        raise ValueError(f"simulate must be True or False, got {extra['simulate']!r}")
+    return Workload(input_len=input_len, output_len=output_len, concurrency=concurrency, rate=rate, **extra)
 
 
 def _as_tuple(value: Any) -> tuple[int, ...] | None:
@@ -107,15 +117,17 @@ def serve_plan(model: Any, cluster: Any, *, input_len: int, output_len: int, con
     """The top_k serving plans, best first: the most output tokens/s per GPU among those meeting the
     SLOs, then the rest by how far they miss. Options: tp, pp, ep, replicas, max_batch (an int or a
     tuple restricts the search), disaggregated (True / False; default both), max_instances, dtype
-    ("bf16", "fp8", ...: weights), kv_dtype, num_nodes, devices_per_node."""
-    _check_options(options, _SEARCH_OPTIONS + _MODEL_OPTIONS + _CLUSTER_OPTIONS)
-    workload = Workload(input_len=input_len, output_len=output_len, concurrency=concurrency, rate=rate)
+    ("bf16", "fp8", ...: weights), kv_dtype, num_nodes, devices_per_node, burstiness (gamma shape of
+    open-loop arrival gaps, 1 = Poisson; != 1 uses the discrete-event simulation), simulate (True: the
+    simulation for any load)."""
+    _check_options(options, _SEARCH_OPTIONS + _MODEL_OPTIONS + _CLUSTER_OPTIONS + _WORKLOAD_OPTIONS)
+    workload = _workload(input_len, output_len, concurrency, rate, options)
     for name, slo in (("ttft_slo_s", ttft_slo_s), ("tpot_slo_s", tpot_slo_s)):
         if slo is not None and not slo > 0:
             raise ValueError(f"{name} must be a positive number of seconds, got {slo!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise ValueError(f"top_k must be a positive integer, got {top_k!r}")
-    served, hw = load_serving(model, cluster, engine, **options)
+    served, hw = load_serving(model, cluster, engine, **{k: v for k, v in options.items() if k not in _WORKLOAD_OPTIONS})
     opts = ServeSearchOptions(**{k: (_as_tuple(v) if k in ("tp", "pp", "ep", "replicas", "max_batch") else v)
                                  for k, v in options.items() if k in _SEARCH_OPTIONS})
     scored = search(served, hw, workload, ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s, opts=opts)
@@ -147,14 +159,14 @@ def serve_estimate(model: Any, cluster: Any, config: ServeConfig | Mapping[str, 
                    output_len: int, concurrency: int | None = None, rate: float | None = None,
                    engine: Any = None, **options: Any) -> ServeEstimate:
     """The estimate of one serving config (a ServeConfig or a dict of its fields). Options: dtype,
-    kv_dtype, num_nodes, devices_per_node."""
-    _check_options(options, _MODEL_OPTIONS + _CLUSTER_OPTIONS)
-    workload = Workload(input_len=input_len, output_len=output_len, concurrency=concurrency, rate=rate)
+    kv_dtype, num_nodes, devices_per_node, burstiness, simulate (as serve_plan)."""
+    _check_options(options, _MODEL_OPTIONS + _CLUSTER_OPTIONS + _WORKLOAD_OPTIONS)
+    workload = _workload(input_len, output_len, concurrency, rate, options)
     if not isinstance(config, ServeConfig):
         if not isinstance(config, Mapping):
             raise ValueError(f"config must be a ServeConfig or a dict, got {type(config).__name__}")
         config = ServeConfig.from_dict(config)
-    served, hw = load_serving(model, cluster, engine, **options)
+    served, hw = load_serving(model, cluster, engine, **{k: v for k, v in options.items() if k not in _WORKLOAD_OPTIONS})
     from autoplan.serve.estimate import estimate_serving
 
     return estimate_serving(served, hw, config, workload)

@@ -18,6 +18,10 @@ Fields (schema_version 1; every value carries its source in a YAML comment):
   cuda_graph_max_batch   decode batches replayed as CUDA graphs; 0 = eager (host-bound below)
   kernels_per_block, kernel_launch_s   kernels one block launches (besides all-reduces) and the fixed
                          time each adds (launch and dependency gap), on top of its roofline time
+  quant_kernels_per_block   extra kernels per block that quantize activations for 8-bit GEMMs
+  gemm_bw_efficiency, gemm_bw_efficiency_8bit   achieved share of datasheet bandwidth of the engine's
+                         decode GEMMs (small M, weights streamed once) for 16-bit and 8-bit weights
+  decode_attention_tensor_cores   whether decode attention uses tensor cores (else the fp32 peak)
   step_overhead_s, step_overhead_per_seq_s   exposed host time per iteration, and per running sequence
   allreduce_table        {tp: [[bytes, seconds], ...]} measured custom all-reduce latencies
   custom_allreduce_max_bytes   largest message the custom all-reduce takes (NCCL above)
@@ -38,9 +42,12 @@ SCHEMA_VERSION = 1
 DEFAULT_ENGINE = "vllm"
 _REQUIRED = ("schema_version", "name", "memory_fraction", "memory_fraction_of")
 _INTS = ("kv_block_tokens", "max_num_seqs", "max_num_batched_tokens", "large_gpu_max_num_seqs",
-         "large_gpu_max_num_batched_tokens", "cuda_graph_max_batch", "kernels_per_block")
+         "large_gpu_max_num_batched_tokens", "cuda_graph_max_batch", "kernels_per_block",
+         "quant_kernels_per_block")
 _FLOATS = ("workspace_bytes", "large_gpu_min_mem_bytes", "step_overhead_s", "step_overhead_per_seq_s", "kernel_launch_s",
            "custom_allreduce_max_bytes")
+_FRACTIONS = ("gemm_bw_efficiency", "gemm_bw_efficiency_8bit")
+_BOOLS = ("chunked_prefill", "decode_attention_tensor_cores")
 
 
 def engine_dirs() -> tuple[Path, ...]:
@@ -107,10 +114,14 @@ def parse_engine(data: Any, path: str) -> ServeEngine:
     for key in _FLOATS:
         if key in data:
             values[key] = _number(data[key], key, path, allow_zero=True)
-    if "chunked_prefill" in data:
-        if not isinstance(data["chunked_prefill"], bool):
-            raise ValueError(f"{path}: chunked_prefill must be true or false, got {data['chunked_prefill']!r}")
-        values["chunked_prefill"] = data["chunked_prefill"]
+    for key in _FRACTIONS:
+        if key in data:
+            values[key] = _fraction(data[key], key, path)
+    for key in _BOOLS:
+        if key in data:
+            if not isinstance(data[key], bool):
+                raise ValueError(f"{path}: {key} must be true or false, got {data[key]!r}")
+            values[key] = data[key]
     values["large_gpu_exclude"] = tuple(str(s) for s in data.get("large_gpu_exclude") or ())
     values["reserve_buckets"] = _rows(data.get("reserve_buckets") or (), 3, "reserve_buckets", path)
     values["allreduce_table"] = _table(data.get("allreduce_table") or {}, path)

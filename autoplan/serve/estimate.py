@@ -14,6 +14,7 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.serve.memory import InstanceMemory, check_layout, instance_memory
 from autoplan.serve.physics import Hardware, Iteration, kv_transfer_s, lane_step_s
 from autoplan.serve.queueing import LaneSpec, LaneState, closed_loop, md1_wait_s, open_loop
+from autoplan.serve.simulate import simulate_closed, simulate_open
 from autoplan.serve.types import ServeConfig, ServeEstimate, ServeModel, Workload
 
 _ITERATIONS = 200
@@ -95,9 +96,15 @@ def _lane_spec(inst: _Instance, workload: Workload, cap: float, *, chunked: bool
 
 
 def _aggregated(inst: _Instance, spec: LaneSpec, lanes: int, workload: Workload) -> LaneState:
+    """One lane's steady state: Little's law and M/D/1 (queueing.py), or the discrete-event
+    simulation (simulate.py) for bursty arrivals or when asked; lanes split the load evenly."""
     if workload.concurrency is not None:
+        if workload.simulated:
+            return simulate_closed(inst.step, spec, max(round(workload.concurrency / lanes), 1))
         return closed_loop(inst.step, spec, workload.concurrency / lanes)
     assert workload.rate is not None
+    if workload.simulated:
+        return simulate_open(inst.step, spec, workload.rate / lanes, burstiness=workload.burstiness)
     return open_loop(inst.step, spec, workload.rate / lanes)
 
 

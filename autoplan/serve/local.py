@@ -22,11 +22,16 @@ def core_share(ranks: int, cores: int, threads_per_rank: int = 1) -> float:
     return min(float(threads_per_rank), cores / ranks)
 
 
-def scale_for_ranks(cluster: ClusterSpec, *, ranks: int, cores: int, threads_per_rank: int = 1) -> ClusterSpec:
-    """`cluster` (per-rank figures of PROFILE_RANKS ranks on `cores` cores) seen by a job of `ranks` ranks."""
-    if ranks < 1 or cores < 1:
-        raise ValueError(f"ranks and cores must be positive, got ranks={ranks}, cores={cores}")
-    speedup = core_share(ranks, cores, threads_per_rank) / core_share(PROFILE_RANKS, cores, threads_per_rank)
+def scale_for_ranks(cluster: ClusterSpec, *, ranks: int, cores: int, threads_per_rank: int = 1,
+                    busy: int | None = None) -> ClusterSpec:
+    """`cluster` (per-rank figures of PROFILE_RANKS ranks on `cores` cores) seen by a job of `ranks` ranks
+    of which `busy` (default all) compute at once: a pipeline of one micro-batch keeps one stage (its
+    tp ranks) busy while the other stages wait in a blocking receive, so the busy ranks share the cores."""
+    busy = ranks if busy is None else busy
+    if ranks < 1 or cores < 1 or not 1 <= busy <= ranks:
+        raise ValueError(f"ranks, cores and busy must be positive (busy <= ranks), got ranks={ranks}, "
+                         f"cores={cores}, busy={busy}")
+    speedup = core_share(busy, cores, threads_per_rank) / core_share(PROFILE_RANKS, cores, threads_per_rank)
     dev = cluster.device
     device = dataclasses.replace(
         dev, peak_flops=tuple((d, f * speedup) for d, f in dev.peak_flops),

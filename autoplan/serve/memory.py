@@ -55,7 +55,7 @@ def weight_bytes_per_gpu(model: ServeModel, tp: int, pp: int) -> float:
     when pp = 1, else the larger on its end stage."""
     blocks = sum(stage_layers(b.count, pp) * (b.dense_params + b.expert_params) for b in model.blocks)
     ends = model.embed_params + model.head_params if pp == 1 else max(model.embed_params, model.head_params)
-    return (blocks + ends) / tp * model.weight_bytes
+    return (blocks * model.weight_bytes + ends * model.ends_weight_bytes) / tp
 
 
 def kv_bytes_per_token_per_gpu(model: ServeModel, tp: int, pp: int) -> float:

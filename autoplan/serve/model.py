@@ -51,9 +51,13 @@ def serve_model(graph: LayerGraph, *, weight_dtype: str = "bf16", kv_dtype: str 
     # the activation dtype
     act = act_dtype or ("bf16" if w < 2 else weight_dtype)
     kv = dtype_bytes(kv_dtype or act, "kv-cache")
+    # the embedding and LM head stay in the activation dtype under 8-bit weights: vLLM docs
+    # (features/quantization/fp8: dynamic FP8 quantizes "all Linear modules (except for the final
+    # lm_head)"); NVIDIA ModelOpt FP8 checkpoints likewise exclude lm_head
+    ends = dtype_bytes(act, "activation") if w < 2 else w
     return ServeModel(name=graph.model_name, blocks=tuple(groups), vocab_size=graph.vocab_size or 1,
                       embed_params=embed, head_params=head, weight_bytes=w, kv_bytes=kv,
-                      act_bytes=dtype_bytes(act, "activation"))
+                      act_bytes=dtype_bytes(act, "activation"), ends_bytes=ends)
 
 
 def _fields(group: BlockGroup) -> dict:

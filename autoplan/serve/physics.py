@@ -6,13 +6,21 @@ average) through every block of a tp-sharded instance. Per block and device:
 - GEMMs hold the dense weights (QKV, output, MLP up/gate and down: 4 fused GEMMs) and take
   max(2 T W / (peak x matmul_efficiency), (W x bytes + activations) / achievable bandwidth)
   (Williams et al., "Roofline", CACM 2009): decode (small T) reads the weights once per step and is
-  memory-bound; prefill (large T) is compute-bound. Achievable bandwidth is the profile's
-  mem_bw_bytes_per_s x mem_bw_efficiency (a STREAM-like measurement), never the datasheet peak.
+  memory-bound; prefill (large T) is compute-bound. The weights stream at the bandwidth the engine's
+  GEMM library reaches at small M (engine gemm_bw_efficiency / gemm_bw_efficiency_8bit x datasheet
+  bandwidth: an fp8 GEMV reaches less of it than a bf16 one), else the device's STREAM-like
+  mem_bw_efficiency; never the datasheet peak. Under 8-bit weights an engine may add activation
+  quantization kernels (quant_kernels_per_block). The embedding and LM head keep their own width
+  (ServeModel.ends_bytes: fp8 checkpoints leave lm_head in 16 bits).
 - Routed experts (MoE): T tokens pick top_k of E experts; the step reads only the experts some token
   picked, E (1 - (1 - k/E)^T) of them in expectation under uniform routing (the occupancy of E bins
   after T k/E-probability draws per bin), so a decode step of few tokens reads a small share.
 - Attention: decode reads the KV cache, B x context x 2 x kv_heads_per_rank x d x bytes per layer,
-  memory-bound (Kwon et al., SOSP'23); prefill computes 4 C ctx a d / tp FLOPs (QK^T and PV, 2 FLOPs
+  memory-bound (Kwon et al., SOSP'23) unless its 4 B ctx a d / tp FLOPs bind: on tensor cores, or on
+  CUDA cores (the fp32 peak) for engines whose decode kernel has none (TensorRT-LLM before its XQA
+  kernel: docs/source/blogs/XQA-kernel.md "using tensor cores for acceleration"; vLLM's
+  csrc/attention paged_attention_v1/v2 dot products); GQA groups reuse each K/V element a / g times,
+  so CUDA-core kernels become compute-bound at large groups. Prefill computes 4 C ctx a d / tp FLOPs (QK^T and PV, 2 FLOPs
   per multiply-add; causal: a token attends to ctx ~ prefix + chunk / 2 keys) at attention_efficiency.
 - Norms and residual adds: 10 h elements read or written per token (cost.compute.block_elementwise_bytes).
 - Tensor parallelism: two all-reduces of T x h activations per block (row-parallel output projection
@@ -25,7 +33,8 @@ average) through every block of a tp-sharded instance. Per block and device:
 - Host: every iteration pays the engine's exposed step overhead (scheduler, sampling, sync); an
   engine without compiled graphs (eager) is bound below by its op count x the device's op_overhead_s.
 Pipeline parallelism: a request passes the pp stages in turn, so a lane's iteration is the whole model's
-time plus (pp - 1) point-to-point sends of T x h activations; pp lanes (micro-batches) run at once.
+time plus (pp - 1) point-to-point sends of T x h activations and one of the sampled tokens back to the
+first stage (blocking, so added after the eager host floor); pp lanes (micro-batches) run at once.
 """
 
 from __future__ import annotations
@@ -44,6 +53,13 @@ from autoplan.serve.types import BlockGroup, ServeEngine, ServeModel
 # "NVIDIA H200" datasheet (2024): FP8 3,958 TFLOPS with sparsity -> 1,979 dense. A device without FP8
 # (A100) runs fp8 weights with 16-bit math (weight-only kernels, e.g. vLLM's Marlin fp8), its bf16 peak.
 FP8_PEAK_FLOPS = {"H100-SXM5-80GB": 1979e12, "H200-SXM-141GB": 1979e12}
+# Achieved share of that FP8 peak by large (compute-bound) FP8 GEMMs: DeepGEMM README (first release,
+# H800 = H100 SXM compute, dense M = 4096 shapes): DeepGEMM reaches 990-1358 TFLOPS, 1.0-1.2x the
+# CUTLASS 3.6 kernels the engines use. For the shapes of 8B-70B projections (K and N of 4-16 k: its
+# 4096 x 7168 and 7168 x 16384 rows, 1304 and 1358 TFLOPS at speedups 1.1x and 1.2x) CUTLASS reaches
+# 1185 and 1132 TFLOPS = 0.57-0.60 of 1979: 0.57. Lower than bf16's profile matmul_efficiency (0.70
+# of 989): fp8 tensor cores double the math rate, not the data movement and scaling around it.
+FP8_MATMUL_EFFICIENCY = 0.57
 _ELEMENTWISE_PER_TOKEN = 10  # x h elements: 2 norms (read + write h) and 2 residual adds (read 2h, write h)
 
 
@@ -55,11 +71,31 @@ class Hardware:
     engine: ServeEngine
     peak_flops: float  # GEMMs (fp8 tensor cores for fp8 weights where the device has them)
     attention_peak_flops: float  # attention runs in the activation dtype
+    gemm_efficiency: float = 0.0  # achieved share of peak_flops by large GEMMs; 0: the device's matmul_efficiency
+
+    @property
+    def gemm_flops(self) -> float:
+        return self.peak_flops * (self.gemm_efficiency or self.cluster.device.matmul_efficiency)
 
     @property
     def bw(self) -> float:
         dev = self.cluster.device
         return dev.mem_bw_bytes_per_s * dev.mem_bw_efficiency
+
+    def gemm_bw(self, weight_bytes: float) -> float:
+        """Bandwidth at which decode GEMMs stream weights of `weight_bytes` bytes each: the engine's
+        measured small-M GEMM efficiency for that width times the datasheet bandwidth, else bw."""
+        eng = self.engine
+        fraction = eng.gemm_bw_efficiency_8bit if weight_bytes < 2 else eng.gemm_bw_efficiency
+        return self.cluster.device.mem_bw_bytes_per_s * fraction if fraction > 0 else self.bw
+
+    @property
+    def decode_attention_flops(self) -> float:
+        """FLOP/s of decode attention: tensor cores in the activation dtype, or the CUDA cores' fp32
+        peak for an engine whose decode kernel uses none; times the device's attention_efficiency."""
+        dev = self.cluster.device
+        peak = self.attention_peak_flops if self.engine.decode_attention_tensor_cores else dev.peak("fp32")
+        return peak * dev.attention_efficiency
 
 
 def gemm_peak_flops(cluster: ClusterSpec, weight_dtype_bytes: float, act_dtype: str) -> float:
@@ -69,6 +105,11 @@ def gemm_peak_flops(cluster: ClusterSpec, weight_dtype_bytes: float, act_dtype: 
     return cluster.device.peak(act_dtype)
 
 
+def gemm_efficiency(cluster: ClusterSpec, weight_dtype_bytes: float) -> float:
+    """FP8_MATMUL_EFFICIENCY where fp8 tensor cores run the GEMMs, else 0 (the device's matmul_efficiency)."""
+    return FP8_MATMUL_EFFICIENCY if weight_dtype_bytes == 1.0 and cluster.device.name in FP8_PEAK_FLOPS else 0.0
+
+
 def tp_group(tp: int, cluster: ClusterSpec) -> GroupPlacement:
     per_node = min(tp, cluster.devices_per_node)
     return GroupPlacement(size=tp, num_nodes=math.ceil(tp / per_node), per_node=per_node)
@@ -76,15 +117,21 @@ def tp_group(tp: int, cluster: ClusterSpec) -> GroupPlacement:
 
 def allreduce_s(nbytes: float, tp: int, hw: Hardware) -> float:
     """One all-reduce of `nbytes` over the tp group: the engine's measured custom all-reduce (linear
-    interpolation in its table, extrapolated along the last segment) for messages up to
-    custom_allreduce_max_bytes inside a node, else NCCL's ring on the cluster's links."""
+    interpolation in its table) for messages up to custom_allreduce_max_bytes inside a node, else
+    NCCL's ring on the cluster's links. Past the table's largest message the custom kernels switch to
+    their bandwidth-bound two-shot form (vLLM custom_all_reduce.cuh cross_device_reduce_2stage,
+    TensorRT-LLM twoShotAllReduceKernel): the ring's bandwidth term with the table's last latency as
+    a floor, never the steeper one-shot slope of the table's small messages extrapolated."""
     if tp <= 1 or nbytes <= 0:
         return 0.0
     group = tp_group(tp, hw.cluster)
+    ring = all_reduce_s(nbytes, group, hw.cluster)
     table = dict(hw.engine.allreduce_table).get(tp)
     if table and not group.crosses_nodes and nbytes <= hw.engine.custom_allreduce_max_bytes:
-        return _interpolate(table, nbytes)
-    return all_reduce_s(nbytes, group, hw.cluster)
+        if nbytes <= table[-1][0]:
+            return _interpolate(table, nbytes)
+        return min(_interpolate(table, nbytes), max(table[-1][1], ring))
+    return ring
 
 
 def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
@@ -96,14 +143,14 @@ def _interpolate(points: tuple[tuple[float, float], ...], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
-def _roofline_s(flops: float, nbytes: float, hw: Hardware) -> float:
+def _roofline_s(flops: float, nbytes: float, hw: Hardware, bw: float | None = None) -> float:
     """max(FLOPs at the large-GEMM efficiency, bytes at achievable bandwidth). The training cost model's
     size curve (cost.compute.matmul_efficiency) is not applied: it reads a small FLOP count as a GEMM
     that under-fills the SMs, but a decode GEMM is small only in M and its kernels split N and K over
     every SM (its fixed per-kernel cost is kernel_launch_s)."""
     if flops <= 0 and nbytes <= 0:
         return 0.0
-    return max(flops / (hw.peak_flops * hw.cluster.device.matmul_efficiency), nbytes / hw.bw)
+    return max(flops / hw.gemm_flops, nbytes / (bw or hw.bw))
 
 
 def touched_experts(num_experts: int, top_k: int, tokens: float) -> float:
@@ -134,21 +181,22 @@ def block_s(group: BlockGroup, model: ServeModel, it: Iteration, *, tp: int, ep:
     w_dense = group.dense_params / tp
     act_traffic = t * act * (4 * group.h + ((2 * group.a + 2 * group.g) * group.d + group.n_mlp * group.f) / tp)
     flops = 2.0 * t * w_dense
-    out = {"gemm": _roofline_s(flops, w_dense * wb + act_traffic, hw)}
+    out = {"gemm": _roofline_s(flops, w_dense * wb + act_traffic, hw, hw.gemm_bw(wb))}
     if group.num_experts:
         out["experts"] = _experts_s(group, model, t, tp=tp, ep=ep, hw=hw)
     kv_per_token = 2.0 * kv_heads_per_rank(group.g, tp) * group.d * model.kv_bytes
     heads = group.a / tp
     dev = hw.cluster.device
     dec_flops = 4.0 * it.decode * it.decode_context * heads * group.d
-    out["kv_read"] = max(dec_flops / (hw.attention_peak_flops * dev.attention_efficiency),
+    out["kv_read"] = max(dec_flops / hw.decode_attention_flops,
                          it.decode * it.decode_context * kv_per_token / hw.bw)
     pre_flops = 4.0 * it.prefill * it.prefill_context * heads * group.d
     out["attention"] = pre_flops / (hw.attention_peak_flops * dev.attention_efficiency) + \
         it.prefill * kv_per_token / hw.bw
     out["elementwise"] = t * _ELEMENTWISE_PER_TOKEN * group.h * act / hw.bw
     out["allreduce"] = 2.0 * allreduce_s(t * group.h * act, tp, hw)
-    out["launch"] = hw.engine.kernels_per_block * hw.engine.kernel_launch_s
+    kernels = hw.engine.kernels_per_block + (hw.engine.quant_kernels_per_block if wb < 2 else 0)
+    out["launch"] = kernels * hw.engine.kernel_launch_s
     return out
 
 
@@ -160,7 +208,7 @@ def _experts_s(group: BlockGroup, model: ServeModel, tokens: float, *, tp: int, 
     per_expert = group.params_per_expert / tp
     flops = 2.0 * routed * per_expert
     nbytes = touched * per_expert * model.weight_bytes + 3.0 * routed * group.h * model.act_bytes / max(ep, 1)
-    return _roofline_s(flops, nbytes, hw)
+    return _roofline_s(flops, nbytes, hw, hw.gemm_bw(model.weight_bytes))
 
 
 def ends_s(model: ServeModel, it: Iteration, *, tp: int, hw: Hardware) -> dict[str, float]:
@@ -170,7 +218,8 @@ def ends_s(model: ServeModel, it: Iteration, *, tp: int, hw: Hardware) -> dict[s
     h, v = model.hidden_size, model.vocab_size
     head_w = model.head_params / tp
     flops = 2.0 * it.sampled * head_w
-    head = _roofline_s(flops, head_w * model.weight_bytes + it.sampled * v / tp * 4.0, hw)
+    wb = model.ends_weight_bytes
+    head = _roofline_s(flops, head_w * wb + it.sampled * v / tp * 4.0, hw, hw.gemm_bw(wb))
     gather = all_gather_s(it.sampled * v * 4.0, tp_group(tp, hw.cluster), hw.cluster) if tp > 1 else 0.0
     return {"lm_head": head + gather, "allreduce": allreduce_s(t * h * model.act_bytes, tp, hw)}
 
@@ -187,17 +236,25 @@ def lane_step_s(model: ServeModel, it: Iteration, *, tp: int, pp: int, ep: int,
         ops += group.count * group.ops_per_block
     for key, value in ends_s(model, it, tp=tp, hw=hw).items():
         parts[key] = parts.get(key, 0.0) + value
-    t = it.decode + it.prefill
-    if pp > 1:
-        crosses = tp * pp > hw.cluster.devices_per_node
-        parts["pipeline"] = (pp - 1) * p2p_s(t * model.hidden_size * model.act_bytes, crosses, hw.cluster)
     device = sum(parts.values())
     host = ops * hw.cluster.device.op_overhead_s if hw.engine.cuda_graph_max_batch == 0 else 0.0
     if host > device:
         parts["host_ops"] = host - device
+    if pp > 1:  # blocking sends between the stages: on top of each stage's own time, never hidden by it
+        parts["pipeline"] = pipeline_s(model, it, tp=tp, pp=pp, hw=hw)
     seqs = it.decode + (1.0 if it.prefill > 0 else 0.0)
     parts["step_overhead"] = hw.engine.step_overhead_s + hw.engine.step_overhead_per_seq_s * seqs
     return sum(parts.values()), parts
+
+
+def pipeline_s(model: ServeModel, it: Iteration, *, tp: int, pp: int, hw: Hardware) -> float:
+    """A lane's point-to-point traffic per iteration: (pp - 1) sends of the T x h residual stream
+    between consecutive stages, and one of the sampled token ids (8 bytes each) from the last stage
+    back to the first, which builds the next iteration's input (vLLM's last pipeline rank samples and
+    broadcasts the tokens to the driver; autoplan.execute.serve sends them back)."""
+    crosses = tp * pp > hw.cluster.devices_per_node
+    hidden = (it.decode + it.prefill) * model.hidden_size * model.act_bytes
+    return (pp - 1) * p2p_s(hidden, crosses, hw.cluster) + p2p_s(max(it.sampled, 1.0) * 8.0, crosses, hw.cluster)
 
 
 def kv_transfer_s(model: ServeModel, tokens: float, *, sender: tuple[int, int], receiver: tuple[int, int],

@@ -56,6 +56,11 @@ class ServeModel:
     weight_bytes: float = 2.0
     kv_bytes: float = 2.0
     act_bytes: float = 2.0  # activations between layers (bf16 even with fp8 weights)
+    ends_bytes: float = 0.0  # embedding and LM head bytes per weight; 0: weight_bytes (see model.serve_model)
+
+    @property
+    def ends_weight_bytes(self) -> float:
+        return self.ends_bytes or self.weight_bytes
 
     @property
     def num_layers(self) -> int:
@@ -99,6 +104,12 @@ class ServeEngine:
     cuda_graph_max_batch: int = 0  # decode batches up to this replay a CUDA graph (no host launch cost)
     kernels_per_block: int = 0  # kernels one block launches besides its all-reduces (the engine's layer code)
     kernel_launch_s: float = 0.0  # fixed time each of them adds: launch + dependency gap (graph node or stream)
+    quant_kernels_per_block: int = 0  # extra activation-quantization kernels per block under 8-bit weights
+    # decode GEMMs (weights streamed once per step): achieved fraction of the datasheet bandwidth by
+    # weight width, the engine's GEMM library measured at small M; 0: the device's mem_bw_efficiency
+    gemm_bw_efficiency: float = 0.0  # 16-bit weights
+    gemm_bw_efficiency_8bit: float = 0.0  # fp8 / int8 weights
+    decode_attention_tensor_cores: bool = True  # False: decode QK^T / PV run on CUDA cores (the fp32 peak)
     step_overhead_s: float = 0.0  # exposed host time per engine iteration (scheduling, sampling, sync)
     step_overhead_per_seq_s: float = 0.0  # and per running sequence (input preparation, output processing)
     # custom all-reduce: (tp, ((bytes, seconds), ...)) measured tables; NCCL (the cluster's alpha-beta)
@@ -196,6 +207,15 @@ class Workload:
     output_len: int
     concurrency: int | None = None
     rate: float | None = None
+    # open loop: gamma inter-arrival gaps of this shape (vLLM benchmark_serving --burstiness; 1 = Poisson)
+    burstiness: float = 1.0
+    # evaluate the queue with the discrete-event simulation (autoplan.serve.simulate) instead of Little's
+    # law and M/D/1; implied by burstiness != 1
+    simulate: bool = False
+
+    @property
+    def simulated(self) -> bool:
+        return self.simulate or self.burstiness != 1.0
 
     def __post_init__(self) -> None:
         for name in ("input_len", "output_len"):
@@ -209,6 +229,10 @@ class Workload:
             raise ValueError(f"concurrency must be a positive integer, got {self.concurrency!r}")
         if self.rate is not None and not (isinstance(self.rate, (int, float)) and self.rate > 0):
             raise ValueError(f"rate must be a positive number of requests/s, got {self.rate!r}")
+        if isinstance(self.burstiness, bool) or not isinstance(self.burstiness, (int, float)) or not self.burstiness > 0:
+            raise ValueError(f"burstiness must be a positive number (1 = Poisson), got {self.burstiness!r}")
+        if self.burstiness != 1.0 and self.rate is None:
+            raise ValueError("burstiness shapes open-loop arrivals: give rate (requests/s), not concurrency")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
