@@ -1,8 +1,9 @@
 """Expert parallelism: each MoE layer's routed experts split over the ep mesh axis, tokens exchanged by all-to-all.
 
-`apply_experts` swaps every `mlp.experts` (autoplan.models.Experts) for an `ExpertParallel` that holds the
-experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) as DTensor Shard(0) parameters on the ep mesh, so their FQNs
-(`...mlp.experts.w1`) and global shapes [E, f, h] are those of the reference model and DCP reshards them.
+`apply_experts` swaps every `mlp.experts` (autoplan.models.Experts, or a Hugging Face transformers 5 experts
+module: stacked `gate_up_proj` [E, 2f, h] and `down_proj` [E, h, f] with `act_fn`, as Mixtral's) for an
+`ExpertParallel` that holds the experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) as DTensor Shard(0) parameters
+on the ep mesh, so their FQNs and global shapes are those of the reference model and DCP reshards them.
 
 MoE folding (plan.layout.expert_mesh_shape): the experts are sharded over the expert mesh's eep axis and
 each tp rank routes its 1/tp of the tp group's replicated tokens (a local split, the outputs all-gathered
@@ -24,6 +25,7 @@ from autoplan.models.moe import Experts
 from autoplan.plan.types import ParallelConfig
 
 _WEIGHT_NAMES = ("w1", "w2", "w3")
+HF_WEIGHT_NAMES = ("gate_up_proj", "down_proj")
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -68,6 +70,23 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
     if w3 is None:
         return F.gelu(x @ w1.t()) @ w2.t()
     return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
+
+
+def is_hf_experts(module: nn.Module) -> bool:
+    """A transformers 5 experts module: exactly the stacked gate_up_proj / down_proj weights and an act_fn."""
+    names = {name for name, _ in module.named_parameters(recurse=False)}
+    return (names == set(HF_WEIGHT_NAMES) and hasattr(module, "act_fn")
+            and all(getattr(module, n).dim() == 3 for n in HF_WEIGHT_NAMES))
+
+
+def _hf_expert_ffn(act_fn: nn.Module):
+    """One Hugging Face expert on its rows (MixtralExperts.forward): gate, up = x W_gu^T; down(act(gate) * up)."""
+
+    def ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(act_fn(gate) * up, down)
+
+    return ffn
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -138,21 +157,31 @@ class ExpertParallel(nn.Module):
     all dp*ep*cp dense replicas' losses (1/ep unfolded, the default).
     """
 
-    def __init__(self, experts: Experts, ep_mesh: DeviceMesh, *, token_mesh: DeviceMesh | None = None,
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh, *, token_mesh: DeviceMesh | None = None,
                  grad_scale: float | None = None) -> None:
         super().__init__()
         self.token_mesh = token_mesh if token_mesh is not None and token_mesh.size() > 1 else None
         self.grad_scale = 1.0 / ep_mesh.size() if grad_scale is None else grad_scale
-        ep, num_experts = ep_mesh.size(), experts.num_experts
+        if isinstance(experts, Experts):
+            self.weight_names, num_experts = _WEIGHT_NAMES, experts.num_experts
+            self.family = experts.family
+            self._ffn = lambda x, w1, w2, w3: expert_ffn(x, w1, w2, w3)
+        elif is_hf_experts(experts):
+            self.weight_names, num_experts = HF_WEIGHT_NAMES, int(experts.gate_up_proj.shape[0])
+            self.family, self.act_fn = "hf", experts.act_fn
+            self._ffn = _hf_expert_ffn(experts.act_fn)
+        else:
+            raise ValueError(f"expert parallelism takes autoplan's Experts or transformers' stacked gate_up_proj / "
+                             f"down_proj experts, not {type(experts).__name__}")
+        ep = ep_mesh.size()
         if num_experts % ep:
             raise ValueError(f"expert parallel degree ep={ep} does not divide the {num_experts} experts of a "
                              f"MoE layer: choose ep among the divisors of {num_experts}")
         self.num_experts = num_experts
-        self.family = experts.family
         self.ep_mesh = ep_mesh
         self.num_local_experts = num_experts // ep
         first = ep_mesh.get_local_rank() * self.num_local_experts
-        for name in _WEIGHT_NAMES:
+        for name in self.weight_names:
             full = getattr(experts, name)
             if full is None:
                 setattr(self, name, None)
@@ -168,7 +197,7 @@ class ExpertParallel(nn.Module):
     def _local_weights(self) -> list[torch.Tensor | None]:
         scale = self.grad_scale
         out: list[torch.Tensor | None] = []
-        for name in _WEIGHT_NAMES:
+        for name in self.weight_names:
             weight = getattr(self, name)
             if weight is not None:
                 weight = weight.to_local() if isinstance(weight, DTensor) else weight
@@ -197,9 +226,9 @@ class ExpertParallel(nn.Module):
         received = funcol.all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
         index = expert_major_index(recv_counts)
         rows = torch.split(received[index], recv_counts.sum(dim=0).tolist())
-        w1, w2, w3 = self._local_weights()
+        weights = self._local_weights()
         # every local expert runs, even on zero rows, so each weight always gets a (possibly zero) gradient
-        outs = [expert_ffn(chunk, w1[e], w2[e], None if w3 is None else w3[e]) for e, chunk in enumerate(rows)]
+        outs = [self._ffn(chunk, *(None if w is None else w[e] for w in weights)) for e, chunk in enumerate(rows)]
         y_expert_major = torch.cat(outs)
         y_source_major = y_expert_major[torch.argsort(index)].contiguous()
         y_sorted = funcol.all_to_all_single_autograd(y_source_major, send_splits, recv_splits, group)
@@ -221,14 +250,16 @@ def check_expert_layout(config: ParallelConfig) -> None:
                          f"or train this plan with Megatron-Core (--export megatron)")
 
 
-def apply_experts(model: nn.Module, *, ep_mesh: DeviceMesh | None, token_mesh: DeviceMesh | None = None,
-                  grad_scale: float | None = None) -> None:
-    """Replace every `Experts` submodule (each MoE block's `mlp.experts`) by an `ExpertParallel` over ep_mesh
-    (folded: token_mesh and grad_scale as ExpertParallel says).
+def apply_experts(model: nn.Module, *, ep_mesh: DeviceMesh | None, paths: tuple[str, ...] | None = None,
+                  token_mesh: DeviceMesh | None = None, grad_scale: float | None = None) -> None:
+    """Replace every `Experts` submodule (each MoE block's `mlp.experts`), or the modules at `paths` (module
+    FQNs, for other models: graph.roles finds them), by an `ExpertParallel` over ep_mesh (folded:
+    token_mesh and grad_scale as ExpertParallel says).
 
     A no-op when ep_mesh is None or has size 1 (and no token_mesh splits the tokens), and for models or
     pipeline stages without MoE layers.
-    Needs the full, identically seeded expert weights on every rank (each keeps its own slice).
+    Needs the full, identically seeded expert weights on every rank (each keeps its own slice), or meta
+    weights (each rank then materialises its own slice: execute.weights).
     Data parallelism afterwards must treat the ExpertParallel modules apart: their weights are sharded over
     ep, so they are replicated / FSDP-sharded over the dp (and cp) axes only, not over ep.
     """
@@ -237,7 +268,11 @@ def apply_experts(model: nn.Module, *, ep_mesh: DeviceMesh | None, token_mesh: D
         return
     if ep_mesh.ndim != 1:
         raise ValueError(f"ep_mesh must be a 1-D mesh (the 'ep' axis), got {ep_mesh.ndim} dimensions")
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Experts)]
+    present = dict(model.named_modules())
+    if paths is None:
+        targets = [(name, module) for name, module in present.items() if isinstance(module, Experts)]
+    else:
+        targets = [(name, present[name]) for name in paths if name in present]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -249,5 +284,5 @@ def expert_parallel_modules(model: nn.Module) -> list[ExpertParallel]:
     return [module for module in model.modules() if isinstance(module, ExpertParallel)]
 
 
-__all__ = ["ExpertParallel", "apply_experts", "check_expert_layout", "dispatch_layout", "expert_ffn",
-           "expert_major_index", "expert_parallel_modules", "rank_splits"]
+__all__ = ["HF_WEIGHT_NAMES", "ExpertParallel", "apply_experts", "check_expert_layout", "dispatch_layout",
+           "expert_ffn", "expert_major_index", "expert_parallel_modules", "is_hf_experts", "rank_splits"]

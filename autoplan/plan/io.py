@@ -36,6 +36,7 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         # written only when set, so older plans (and the golden files) keep their exact bytes
         **({"folded": list(plan.folded)} if plan.folded else {}),
         **({"sample_shape": list(plan.sample_shape)} if plan.sample_shape else {}),
+        **({"fingerprint": plan.fingerprint} if plan.fingerprint else {}),
     }
 
 
@@ -60,6 +61,7 @@ def plan_from_dict(data: dict[str, Any]) -> Plan:
             notes=tuple(data.get("notes", ())),
             folded=tuple(data.get("folded", ())),
             sample_shape=tuple(data.get("sample_shape", ())),
+            fingerprint=str(data.get("fingerprint", "")),
         )
     except KeyError as exc:
         raise ValueError(f"plan JSON lacks the field {exc.args[0]!r}") from None

@@ -335,6 +335,8 @@ class Plan:
     # the shape of one input sample the plan was priced for when the model takes no token ids (a CNN
     # or ViT: (channels, height, width)); empty for token models, whose sample is seq_len tokens
     sample_shape: tuple[int, ...] = ()
+    # graph.fingerprint.model_fingerprint of the model the plan was made for ("": unknown, not checked)
+    fingerprint: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))

@@ -7,7 +7,6 @@ ClusterSpec or a profile name / path. Models are captured once per (model, seq_l
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import weakref
 from collections.abc import Mapping
 from functools import lru_cache
@@ -74,31 +73,28 @@ def load_cluster(cluster: ClusterSpec | str | Path, **cluster_options: Any) -> C
 
 
 def load_model(spec: str) -> Any:
-    """A preset name, or "path/to/file.py:factory" (the file is imported and factory() called on meta)."""
+    """A preset name, "path/to/file.py:factory" (the file is imported and factory() called on meta) or a Hugging
+    Face from_pretrained directory (built from its config.json on meta). Each mistake is one ValueError line."""
     import torch
 
-    if ":" in spec and spec.split(":", 1)[0].endswith(".py"):
-        path, factory = spec.rsplit(":", 1)
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"model file {path!r} not found")
-        module_spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
-        if not callable(getattr(module, factory, None)):
-            raise ValueError(f"{path} has no callable {factory!r}: name a function that returns an nn.Module")
-        with torch.device("meta"):
-            return getattr(module, factory)()
     from autoplan.models import PRESETS, preset
     from autoplan.models.multimodal import MULTIMODAL_PRESETS
+    from autoplan.models.user import call_factory, hf_from_dir, is_file_spec, is_hf_dir
     from autoplan.models.vision import VISION_PRESETS
 
+    if is_file_spec(spec):
+        with torch.device("meta"):
+            return call_factory(spec)
+    if is_hf_dir(spec):
+        with torch.device("meta"):
+            return hf_from_dir(spec)
     others = {**VISION_PRESETS, **MULTIMODAL_PRESETS}
     if spec in others:
         with torch.device("meta"):
             return others[spec]()
     if spec not in PRESETS:
-        raise ValueError(f"unknown model {spec!r}: choose a preset ({', '.join([*PRESETS, *others])}) or give "
-                         f"file.py:factory")
+        raise ValueError(f"unknown model {spec!r}: choose a preset ({', '.join([*PRESETS, *others])}), give "
+                         f"file.py:factory or a Hugging Face model directory")
     with torch.device("meta"):
         return preset(spec)
 
@@ -106,9 +102,27 @@ def load_model(spec: str) -> Any:
 @lru_cache(maxsize=16)
 def _named_graph(spec: str, seq_len: int) -> LayerGraph:
     from autoplan.graph.capture import capture
+    from autoplan.models.user import model_name_of
 
-    name = Path(spec.split(":")[0]).stem if ":" in spec else spec
-    return capture(load_model(spec), seq_len=seq_len, microbatch=1, model_name=name)
+    return capture(load_model(spec), seq_len=seq_len, microbatch=1, model_name=model_name_of(spec))
+
+
+@lru_cache(maxsize=16)
+def _named_fingerprint(spec: str) -> str:
+    from autoplan.graph.fingerprint import model_fingerprint
+
+    return model_fingerprint(load_model(spec))
+
+
+def fingerprint_of(model: Any) -> str:
+    """The fingerprint a plan for `model` carries ("" for a LayerGraph, whose module is not known)."""
+    if isinstance(model, (str, Path)):
+        return _named_fingerprint(str(model))
+    if isinstance(model, LayerGraph):
+        return ""
+    from autoplan.graph.fingerprint import model_fingerprint
+
+    return model_fingerprint(model)
 
 
 def model_graph(model: Any, seq_len: int) -> LayerGraph:
@@ -120,7 +134,13 @@ def model_graph(model: Any, seq_len: int) -> LayerGraph:
         return model
     if isinstance(model, (str, Path)):
         return _named_graph(str(model), seq_len)
+    from torch import nn
+
     from autoplan.graph.capture import capture
+
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a preset name, 'path/to/file.py:factory', a Hugging Face model directory, "
+                         f"an nn.Module or a LayerGraph, got {type(model).__name__}")
 
     per_len = _module_graphs.setdefault(model, {})
     if seq_len not in per_len:
@@ -147,7 +167,9 @@ def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k
     spec = load_cluster(cluster, **cluster_options)
     opts = SearchOptions(global_batch=global_batch, top_k=top_k, **search_options)
     record: dict[str, Any] = {}
-    plans = Plans(search(model_graph(model, seq_len), spec, opts, record=record))
+    found = search(model_graph(model, seq_len), spec, opts, record=record)
+    fingerprint = fingerprint_of(model)
+    plans = Plans(dataclasses.replace(plan, fingerprint=fingerprint) for plan in found)
     plans.candidates = record
     return plans
 
@@ -189,7 +211,8 @@ def plan_for(model: str, cluster: ClusterSpec, config: ParallelConfig, *, global
     flags hands the executor, so the run report puts measured and predicted step time side by side)."""
     est = estimate(model, cluster, config, global_batch=global_batch, seq_len=seq_len)
     return Plan(config=config, estimate=est, model_name=model, cluster_name=cluster.name,
-                num_devices=config.num_devices, global_batch=global_batch, seq_len=seq_len)
+                num_devices=config.num_devices, global_batch=global_batch, seq_len=seq_len,
+                fingerprint=fingerprint_of(model))
 
 
 class ComponentPlans(tuple):
