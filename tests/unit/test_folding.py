@@ -211,3 +211,16 @@ def test_the_mesh_product_is_every_stage_rank_split() -> None:
         brute = {(0, 0)} | {(etp, eep) for etp in (1, 2, 4) for eep in (2, 4, 8)
                             if tp % etp == 0 and (dp * tp) % (etp * eep) == 0 and etp != tp}
         assert got == brute, (tp, dp)
+
+
+def test_run_refuses_expert_tensor_parallelism_before_launch(monkeypatch, capsys) -> None:
+    """etp > 1 is planned and exported, not executed: `autoplan run` says so in one line, torchrun unlaunched."""
+    from autoplan.cli.main import main
+    from autoplan.execute import launch
+
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("torchrun was launched"))
+    argv = ["run", "--model", "tiny-moe", "--global-batch", "8", "--seq-len", "16", "--steps", "1",
+            "--tp", "2", "--dp", "2", "--etp", "2", "--eep", "2"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "etp=2: autoplan's executor runs folded expert layouts with etp=1" in err
