@@ -22,7 +22,7 @@ from autoplan.cost import estimate_config
 from autoplan.plan.types import ParallelConfig
 
 HERE = Path(__file__).resolve().parent
-SHARED = HERE.parents[0].parent / "shared"
+SHARED = HERE / "data"
 RECORDS = SHARED / "calibration" / "published_calibration.json"
 
 

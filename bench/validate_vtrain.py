@@ -27,8 +27,8 @@ from autoplan.cost import estimate_config
 from autoplan.graph.types import Layer, LayerGraph, LayerRole
 from autoplan.plan.types import ParallelConfig
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-VTRAIN = SHARED / "validation" / "vtrain"
+SHARED = Path(__file__).resolve().parent / "data"
+VTRAIN = SHARED / "vtrain"
 VOCAB = 50257
 VTRAIN_NIC_BYTES_PER_S = 800e9 / 8 / 8  # 4 x 200 Gb/s HDR per node, 8 GPUs: bytes/s per GPU
 # Host time per eager op: the profile's device.op_overhead_s (sourced there), not a bench constant.

@@ -39,17 +39,23 @@ _FRACTIONS = frozenset(
 _INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes"})
 
 
-def profile_dirs() -> tuple[Path, ...]:
-    """Where shipped profiles may live, in order: the source checkout (or editable install), then the
-    wheel's data directory (pyproject's data-files put them under <prefix>/share/autoplan/profiles)."""
-    candidates = [Path(__file__).resolve().parents[2] / "profiles"]
+def shipped_dirs(folder: str) -> tuple[Path, ...]:
+    """Where a shipped data folder ("profiles", "engines") may live, in order: the source checkout (or
+    editable install), then the wheel's data directory (pyproject's data-files put it under
+    <prefix>/share/autoplan/<folder>)."""
+    candidates = [Path(__file__).resolve().parents[2] / folder]
     for scheme in (None, f"{os.name}_user"):
         try:
             data = sysconfig.get_path("data") if scheme is None else sysconfig.get_path("data", scheme)
         except KeyError:
             continue
-        candidates.append(Path(data) / "share" / "autoplan" / "profiles")
+        candidates.append(Path(data) / "share" / "autoplan" / folder)
     return tuple(dict.fromkeys(candidates))
+
+
+def profile_dirs() -> tuple[Path, ...]:
+    """Where shipped profiles may live (shipped_dirs("profiles"))."""
+    return shipped_dirs("profiles")
 
 
 def _shipped() -> dict[str, Path]:
