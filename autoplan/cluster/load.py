@@ -36,7 +36,8 @@ _FRACTIONS = frozenset(
         "p2p_bw_fraction",
     }
 )
-_INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes"})
+_INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes", "num_sms", "nccl_sms"})
+_BOOLEANS = frozenset({"gemm_epilogue_overlap"})
 
 
 def shipped_dirs(folder: str) -> tuple[Path, ...]:
@@ -135,6 +136,11 @@ def _parse_device(data: Any, path: str) -> DeviceSpec:
     values["peak_flops"] = tuple((d, _number(peaks[d], f"device.peak_flops.{d}", path)) for d in DTYPES)
     for key in data:
         if key in ("name", "peak_flops"):
+            continue
+        if key in _BOOLEANS:
+            if not isinstance(data[key], bool):
+                raise ValueError(f"{path}: field 'device.{key}' must be true or false, got {data[key]!r}")
+            values[key] = data[key]
             continue
         number = _number(data[key], f"device.{key}", path, allow_zero=key in _optional_fields(DeviceSpec))
         values[key] = int(number) if key in _INTEGERS else number

@@ -37,10 +37,12 @@ class Engine:
     # --- additive fields the physics needs ---
     description: str = "autoplan's executor (eager PyTorch, SDPA attention, FSDP2, DTensor TP, torch.distributed.pipelining)"
     block_forward_ops: int = 0  # host-issued ops in one block's forward (0: the captured graph's count)
+    block_backward_ops: int = 0  # ... in its backward (0: compute.BACKWARD_OPS_PER_FORWARD_OP x forward)
     main_grads_fp32: bool = False  # gradients accumulate in an fp32 buffer (Megatron main_grad): 4 B/param
     grad_reduce_fp32: bool = True  # bf16/fp8 training reduces gradients in fp32 (fp16 always in fp16)
     pipelined_fsdp_defers_sync: bool = True  # with pp > 1, FSDP gradient sync waits for the last microbatch
     dp_bucket_numel: int = 0  # gradient bucket size (elements) of the DP reduction; 0: one bucket per layer
+    gather_copy_out: bool = True  # all-gathered weights are copied out of the collective's buffer on the compute stream
     # DeepSpeed ZeRO-3 (zero3='deepspeed'); ignored with fsdp2
     zero3_prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
     zero3_max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance

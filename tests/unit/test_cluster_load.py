@@ -166,9 +166,9 @@ def test_missing_dtype_peak_and_bad_values(tmp_path: Path) -> None:
 
 def test_yaml11_exponent_without_sign_is_read_as_number(tmp_path: Path) -> None:
     path = _write_variant(tmp_path, lambda d: None)
-    text = path.read_text().replace("latency_s: 5.0e-06", "latency_s: 5e-6")
+    text = path.read_text().replace("  latency_s: 2.7e-06", "  latency_s: 27e-7")
     path.write_text(text)
-    assert Cluster.load(path).inter_node.latency_s == pytest.approx(5e-6)
+    assert Cluster.load(path).inter_node.latency_s == pytest.approx(2.7e-6)
 
 
 def test_profiles_found_from_installed_wheel_data_dir(tmp_path: Path, monkeypatch) -> None:
