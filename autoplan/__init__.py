@@ -34,6 +34,7 @@ _EXPORTS = {
     "Breakdown": "autoplan.plan.types",
     "Schedule": "autoplan.plan.types",
     "Recompute": "autoplan.plan.types",
+    "Engine": "autoplan.plan.engine",
     "MeshAxis": "autoplan.plan.types",
 }
 
@@ -42,6 +43,7 @@ __all__ = [
     "Cluster",
     "ClusterSpec",
     "DeviceSpec",
+    "Engine",
     "Estimate",
     "Layer",
     "LayerGraph",

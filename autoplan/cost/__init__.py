@@ -4,6 +4,7 @@ memory and where the time goes. No torch; see each module's docstrings for the s
 
 from __future__ import annotations
 
+from autoplan.cost.bound import EngineCost, with_engine
 from autoplan.cost.comm import (
     all_gather_s,
     all_reduce_s,
@@ -33,5 +34,5 @@ __all__ = [
     "balanced_stages", "block_activation_bytes", "bubble_fraction", "check_config", "estimate_config",
     "estimate_layer", "exposed_s", "group_placement", "in_flight_microbatches", "matmul_efficiency", "matmul_time_s",
     "memory_time_s", "model_state_bytes", "overlapped_s", "p2p_s", "pipeline_time_s", "reduce_scatter_s",
-    "stage_time_s",
+    "stage_time_s", "EngineCost", "with_engine",
 ]

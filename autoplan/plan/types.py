@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from autoplan.plan.engine import Engine
+
 
 class _StrEnum(str, Enum):
     """`enum.StrEnum` for Python 3.10: members compare equal to their string values."""
@@ -282,6 +284,7 @@ class Plan:
     layer_recompute: tuple[tuple[str, Recompute], ...] = ()
     rank: int = 0  # 1 = best; 0 when not from a search
     notes: tuple[str, ...] = ()  # plain-language reasons, filled by the search
+    engine: Engine | None = None  # the engine the estimate was made for (None: not recorded, older plans)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
