@@ -16,7 +16,7 @@ from autoplan.cost.comm import (
 from autoplan.cost.compute import matmul_efficiency, matmul_time_s, memory_time_s
 from autoplan.cost.estimate import ADAM_BYTES_PER_PARAM, estimate_config
 from autoplan.cost.layer import estimate_layer
-from autoplan.cost.memory import block_activation_bytes, model_state_bytes
+from autoplan.cost.memory import block_activation_bytes, fixed_memory_bytes, layer_state_bytes, model_state_bytes
 from autoplan.cost.overlap import exposed_s, overlapped_s
 from autoplan.cost.pipeline import bubble_fraction, in_flight_microbatches, pipeline_time_s
 from autoplan.cost.stages import balanced_stages, check_config
@@ -34,5 +34,5 @@ __all__ = [
     "balanced_stages", "block_activation_bytes", "bubble_fraction", "check_config", "estimate_config",
     "estimate_layer", "exposed_s", "group_placement", "in_flight_microbatches", "matmul_efficiency", "matmul_time_s",
     "memory_time_s", "model_state_bytes", "overlapped_s", "p2p_s", "pipeline_time_s", "reduce_scatter_s",
-    "stage_time_s", "EngineCost", "with_engine",
+    "stage_time_s", "EngineCost", "with_engine", "fixed_memory_bytes", "layer_state_bytes",
 ]

@@ -28,6 +28,14 @@ class EngineCost:
         kwargs.setdefault("engine", self.engine)
         return self._module.estimate_layer(*args, **kwargs)
 
+    def layer_state_bytes(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("engine", self.engine)
+        return self._module.layer_state_bytes(*args, **kwargs)
+
+    def fixed_memory_bytes(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs.setdefault("engine", self.engine)
+        return self._module.fixed_memory_bytes(*args, **kwargs)
+
 
 def with_engine(engine: Engine) -> EngineCost:
     return EngineCost(engine)

@@ -220,6 +220,17 @@ def _attention_s(layer: Layer, shape: BlockShape | None, device: DeviceSpec, pea
     return fwd, FA_BACKWARD_FLOPS * fwd
 
 
+def _op_selective_recompute_s(device: DeviceSpec, peak_flops: float, groups: list, shape: BlockShape,
+                              dtype_bytes: int) -> float:
+    """torchtitan's per-op selective checkpointing recomputes every second matmul (K, the output
+    projection, the second MLP input projection: memory.block_activation_bytes) and the elementwise ops:
+    the K share of the QKV GEMM, the projection GEMM and one of the n_mlp MLP GEMMs."""
+    qkv, proj, mlp = groups[0], groups[1], groups[2]
+    k_share = (shape.h * shape.g / shape.a) / shape.qkv_out_width
+    return (k_share * gemm_pass_s(device, peak_flops, *qkv, dtype_bytes) + gemm_pass_s(device, peak_flops, *proj, dtype_bytes)
+            + gemm_pass_s(device, peak_flops, *mlp, dtype_bytes) / max(shape.n_mlp, 1))
+
+
 def host_ops(layer: Layer, engine: Engine) -> tuple[float, float]:
     """(forward, backward) host-issued operations of the layer: the engine's counts for a transformer
     block when it has them (counted in that engine's code: dispatcher ops, Python module calls and custom
@@ -284,6 +295,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         rec = 0.0
     elif recompute is Recompute.FULL:
         rec = fwd
+    elif engine.selective_recompute == "op" and shape is not None:
+        rec = _op_selective_recompute_s(device, peak_flops, groups, shape, dtype_bytes) + elem_s
     else:
         rec = attention_fwd
     ops_f, ops_b = host_ops(layer, engine)

@@ -31,11 +31,20 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks, zero_layout
 from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Recompute
 
-# Adam step per local parameter, memory-bound (Kingma & Ba 2015 update; PyTorch fused / apex multi-tensor
-# Adam): read and write the fp32 master weight, momentum and variance (2 x 12), read the gradient twice
-# (global-norm clipping, then the step) and write the 16-bit weight copy: 24 + 2 g + w bytes, 30 with
-# 16-bit gradients. fp32 training: weights, momentum, variance read and written, gradient read twice: 32.
-ADAM_BYTES_PER_PARAM = 30
+# The optimizer step per local parameter, memory-bound passes (PyTorch / apex multi-tensor kernels):
+# - Adam itself (Kingma & Ba 2015; torch.optim.AdamW, apex FusedAdam): read the fp32 weight, gradient,
+#   momentum and variance, write weight, momentum and variance: 28 bytes;
+# - global-norm gradient clipping (torch.nn.utils.clip_grad_norm_, Megatron clip_grad_norm_fp32): the norm
+#   reads the fp32 gradient, the scale reads and writes it: 12 bytes;
+# - mixed precision with a separate fp32 master copy (Megatron Float16OptimizerWithFloat16Params, DeepSpeed):
+#   copy the master weights back to the 16-bit model (read 4, write 2); when the gradients live in 16 bits
+#   (fp16, no fp32 main_grad) first copy them to fp32 main grads (read 2, write 4);
+# - fp16 loss scaling: unscale and check for inf / nan (torch._amp_foreach_non_finite_check_and_unscale_:
+#   read and write the fp32 gradient, 8 bytes).
+# Megatron-LM fp16: 28 + 12 + 6 + 6 + 8 = 60 bytes; Megatron bf16 with fp32 main grads: 46; FSDP2 (fp32
+# sharded parameters cast to bf16 at the all-gather) and fp32 training: 40.
+ADAM_BYTES_PER_PARAM = 28
+CLIP_BYTES_PER_PARAM = 12
 # Bytes per gradient element on the wire, by training dtype, when the engine reduces bf16 / fp8 gradients
 # in fp32 (Engine.grad_reduce_fp32): Megatron-LM turns on --accumulate-allreduce-grads-in-fp32 whenever
 # --bf16 is set (megatron/training/arguments.py); torchtitan's FSDP2 MixedPrecisionPolicy reduces in fp32;
@@ -45,11 +54,19 @@ GRAD_REDUCE_BYTES = {"fp8": 4, "bf16": 4, "fp16": 2, "tf32": 4, "fp32": 4}
 
 
 def adam_bytes_per_param(dtype: str, engine: Engine) -> float:
-    """Memory traffic of one Adam step per local parameter (ADAM_BYTES_PER_PARAM's rule)."""
-    w, g, _ = state_bytes_per_param(dtype, engine)
-    if dtype in ("fp32", "tf32"):
-        return 24.0 + 2.0 * g
-    return 24.0 + 2.0 * g + w
+    """Memory traffic of the optimizer step per local parameter (the passes above ADAM_BYTES_PER_PARAM).
+    The master copy is separate when the engine keeps 16-bit model weights next to fp32 ones (Megatron,
+    DeepSpeed: engine.gather_copy_out False, i.e. not FSDP2's cast-at-gather)."""
+    total = float(ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM)
+    if dtype in ("fp32", "tf32") or engine.gather_copy_out:
+        return total
+    _, g, _ = state_bytes_per_param(dtype, engine)
+    total += 6.0  # master -> 16-bit model copy
+    if g < 4.0:
+        total += 6.0  # 16-bit gradients -> fp32 main grads
+    if dtype == "fp16":
+        total += 8.0  # unscale + inf / nan check
+    return total
 
 
 def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,

@@ -8,6 +8,7 @@ dependence comes from how the kernels are scheduled, each with its source below.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from autoplan.cluster.types import DeviceSpec
 
@@ -31,9 +32,10 @@ FA_NONMATMUL_OPS = 9.0
 FA_REFERENCE_HEAD_DIM = 128
 
 
-def memory_time_s(device: DeviceSpec, nbytes: float) -> float:
-    """Memory-bound kernel: bytes / (HBM bandwidth * mem_bw_efficiency)."""
-    return max(nbytes, 0.0) / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
+def memory_time_s(device: DeviceSpec, nbytes: Any) -> Any:
+    """Memory-bound kernel: bytes / (HBM bandwidth * mem_bw_efficiency) (numbers or numpy arrays)."""
+    rate = device.mem_bw_bytes_per_s * device.mem_bw_efficiency
+    return (nbytes if not isinstance(nbytes, (int, float)) else max(nbytes, 0.0)) / rate
 
 
 def _waves_utilisation(blocks: float, sms: int) -> float:

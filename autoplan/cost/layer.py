@@ -58,7 +58,7 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
     tokens = graph_tokens * scale
     if shape is not None:
         held, work = block_activation_bytes(shape, config.microbatch, seq_len, config, recompute, dbytes,
-                                            materialised)
+                                            materialised, selective=engine.selective_recompute)
         hidden_bytes = tokens * shape.h * dbytes
     else:
         held, work = other_activation_bytes(layer, scale, config, recompute, ratio)

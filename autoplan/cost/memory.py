@@ -28,7 +28,8 @@ NCCL_BUFFER_BYTES = 4 * 2**20
 
 
 def block_activation_bytes(shape: BlockShape, b: float, s: int, config: ParallelConfig,
-                           recompute: Recompute, dtype_bytes: int, scores_materialised: bool) -> tuple[float, float]:
+                           recompute: Recompute, dtype_bytes: int, scores_materialised: bool, *,
+                           selective: str = "attention") -> tuple[float, float]:
     """(held per microbatch, working extra during its backward) for one transformer block, bytes.
 
     Korthikanti et al. 2022, section 4.1 / Table 2, 16-bit activations, s tokens (s / cp per CP rank),
@@ -41,7 +42,12 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     output 2, dropout mask 1, dropout output 2) only when the kernel materialises them
     (FlashAttention does not). MHA with f = 4h gives 10h + 24h/t, as in the paper.
     Selective recompute drops the 5 a s / h term; full keeps only the block input 2 s b h (/t with SP)
-    and re-materialises one block's activations during its backward (the working extra)."""
+    and re-materialises one block's activations during its backward (the working extra).
+    `selective` 'op' is torchtitan's per-op selective checkpointing instead (torchtitan
+    parallelisms/parallelize_llama.py, 2024: no_recompute_list = mm, SDPA, reduce_scatter, "except every
+    second mm"): the block input (h), the outputs of the 1st, 3rd, 5th and 7th matmuls (Q h, V h g / a,
+    the first MLP projection f, the MLP output h) and the SDPA output (h) are kept; the rest is
+    recomputed in the backward (the working extra)."""
     t, cp = config.tp, config.cp
     tokens = b * s / cp
     h_split = t if config.sp else 1
@@ -56,6 +62,9 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     full = tokens * (per_token + scores)
     if recompute is Recompute.NONE:
         return full, 0.0
+    if recompute is Recompute.SELECTIVE and selective == "op":
+        kept = (2.0 * shape.h / h_split + (2.0 * shape.h + shape.h * shape.g / shape.a + shape.f) / t) * dtype_bytes
+        return min(tokens * kept, full), max(full - tokens * kept, 0.0)
     if recompute is Recompute.SELECTIVE:
         return tokens * per_token, tokens * scores
     return tokens * 2.0 * shape.h / h_split * dtype_bytes / 2.0, full
@@ -189,3 +198,33 @@ def rank_memory(rank: Any, index: int, cluster: ClusterSpec, config: ParallelCon
     reserve = cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster)
     return MemoryBreakdown(weights=int(weights), gradients=int(grads), optimizer=int(optimizer),
                            activations=int(acts), reserve=int(reserve))
+
+
+def layer_state_bytes(cost: Any, config: ParallelConfig, *, dtype: str, engine: Engine | None = None) -> float:
+    """Weights + gradients + optimizer states of one layer's parameters on a device (model_state_bytes
+    under the engine's ZeRO layout): the per-layer term the stage split and per-layer recompute solve
+    with (search/refine.py)."""
+    return sum(model_state_bytes(cost.grad_param_count, cost.expert_param_count, config, dtype=dtype, engine=engine))
+
+
+def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_layer_params: float,
+                       max_param_numel: float, engine: Engine | None = None) -> float:
+    """What every rank holds beyond its layers' states and activations: the runtime reserve, NCCL's
+    buffers and ZeRO-3's working set (rank_memory's other terms, for a rank whose largest layer has
+    max_layer_params parameters and largest weight max_param_numel)."""
+    from autoplan.cost.dataparallel import grad_wire_bytes
+
+    engine = engine or Engine()
+    layout = zero_layout(config, 1, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
+    deepspeed = config.zero == 3 and engine.zero3 == "deepspeed" and config.dp * config.ep * config.cp > 1
+    rank = _Largest(max_layer_params=max_layer_params, max_param_numel=max_param_numel)
+    working = zero3_working_bytes(rank, layout, engine, cluster.dtype, grad_wire_bytes(cluster.dtype, engine), deepspeed)
+    return cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster) + working
+
+
+class _Largest:
+    """The two maxima zero3_working_bytes reads off a rank."""
+
+    def __init__(self, *, max_layer_params: float, max_param_numel: float) -> None:
+        self.max_layer_params = max_layer_params
+        self.max_param_numel = max_param_numel

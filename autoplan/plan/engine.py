@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ATTENTION_KINDS = ("flash", "unfused")
+SELECTIVE_KINDS = ("attention", "op")
 ZERO3_KINDS = ("fsdp2", "deepspeed")
 GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
 
@@ -43,6 +44,7 @@ class Engine:
     pipelined_fsdp_defers_sync: bool = True  # with pp > 1, FSDP gradient sync waits for the last microbatch
     dp_bucket_numel: int = 0  # gradient bucket size (elements) of the DP reduction; 0: one bucket per layer
     gather_copy_out: bool = True  # all-gathered weights are copied out of the collective's buffer on the compute stream
+    selective_recompute: str = "attention"  # what 'selective' recomputes: Megatron's attention core, or torchtitan's per-op policy
     # DeepSpeed ZeRO-3 (zero3='deepspeed'); ignored with fsdp2
     zero3_prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
     zero3_max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance
@@ -55,7 +57,7 @@ class Engine:
 
     def __post_init__(self) -> None:
         for name, allowed in (("attention", ATTENTION_KINDS), ("zero3", ZERO3_KINDS),
-                              ("zero3_grad_reduction", GRAD_REDUCTIONS)):
+                              ("zero3_grad_reduction", GRAD_REDUCTIONS), ("selective_recompute", SELECTIVE_KINDS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"engine field {name!r} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
