@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import validate_calibration  # noqa: E402
-import validate_vtrain  # noqa: E402
-from published import Result, predict, records  # noqa: E402
+import validate_calibration
+import validate_vtrain
+from published import Result, predict, records
 
 TARGETS = ("vtrain-multi", "vtrain-single", "calibration", "korthikanti-layer")
 

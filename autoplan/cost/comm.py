@@ -98,12 +98,11 @@ def all_reduce_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> 
     """All-reduce of `nbytes` over the group: the cheapest of what NCCL may pick.
 
     - ring: two passes, 2 (n - 1)/n * S / BW plus NCCL's latency (BW the ring bottleneck, _ring_bw);
-    - hierarchical when the group spans nodes with several members per node: reduce-scatter inside
-      the node (n_l = per_node ranks), all-reduce of S / n_l across the nodes (one rank per node and
-      NIC), all-gather inside the node;
     - tree (NCCL's double binary tree across nodes): 2 log2(nodes) inter-node latencies + 2 S / BW_nic;
-      its bandwidth term never beats the ring's, so it wins only for small (latency-bound) messages.
-    Zero for a group of one."""
+      its bandwidth term never beats the ring's (tuning.cc converts tree bus bandwidth to algorithm
+      bandwidth at half), so it wins only for small (latency-bound) messages.
+    NCCL has no reduce-scatter / all-reduce / all-gather decomposition across nodes (its other
+    algorithms, CollNet and NVLS, need switch support), so none is modelled. Zero for a group of one."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
@@ -115,12 +114,6 @@ def all_reduce_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> 
         tree_lat = inter.simple_latency_s or inter.latency_s
         best = min(best, cluster.intra_node.base_latency_s
                    + 2 * math.ceil(math.log2(group.num_nodes)) * tree_lat + 2 * nbytes / nic_bw)
-        if group.per_node > 1:
-            local = GroupPlacement(size=group.per_node, num_nodes=1, per_node=group.per_node)
-            across = GroupPlacement(size=group.num_nodes, num_nodes=group.num_nodes, per_node=1)
-            hier = (2 * reduce_scatter_s(nbytes, local, cluster)
-                    + all_reduce_s(nbytes / group.per_node, across, cluster))
-            best = min(best, hier)
     return best
 
 

@@ -20,9 +20,9 @@ from autoplan.cost.dataparallel import (
     grad_wire_bytes,
     rank_dp_times,
 )
-from autoplan.cost.layer import dtype_bytes, estimate_layer
-from autoplan.cost.memory import rank_memory, state_bytes_per_param
 from autoplan.cost.kernels import memory_time_s
+from autoplan.cost.layer import estimate_layer
+from autoplan.cost.memory import rank_memory, state_bytes_per_param
 from autoplan.cost.pipeline import pipeline_time_s
 from autoplan.cost.stages import balanced_stages, check_config, check_stages
 from autoplan.cost.types import LayerCost

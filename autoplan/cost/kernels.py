@@ -129,7 +129,7 @@ def unfused_attention_s(device: DeviceSpec, peak_flops: float, *, batch_heads: f
     in one strided-batched call; the whole square, masked or not. Backward: dP = dO V^T and dV = P^T dO,
     then dQ = dS K and dK = dS^T Q: two GEMMs per forward GEMM. The softmax and dropout passes over the
     scores are elementwise traffic (compute.block_elementwise_bytes)."""
-    g = dict(count=1.0, batch=batch_heads)
+    g = {"count": 1.0, "batch": batch_heads}
     qk = gemm_pass_s(device, peak_flops, s_q, head_dim, s_k, dtype_bytes=dtype_bytes, **g)
     pv = gemm_pass_s(device, peak_flops, s_q, s_k, head_dim, dtype_bytes=dtype_bytes, **g)
     dp = gemm_pass_s(device, peak_flops, s_q, head_dim, s_k, dtype_bytes=dtype_bytes, **g)  # dO V^T: scores out
