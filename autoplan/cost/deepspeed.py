@@ -7,7 +7,8 @@
 - fetch_sub_module all-gathers what is missing, then waits for every gather in flight (and, with
   zero3_sync_per_module, synchronizes the device: the host cannot run ahead, so each sub-module's host
   time adds to its kernels'); prefetch_next_sub_modules queues the next parameters, only when nothing is
-  in flight, up to zero3_prefetch_numel elements: one sub-module of prefetch;
+  in flight and fewer than zero3_max_live_numel elements are gathered (stage3_max_live_parameters), up
+  to zero3_prefetch_numel elements: at most one sub-module of prefetch;
 - release_sub_module re-partitions a parameter after use unless it is needed again within
   zero3_max_reuse_numel elements (_keep_for_later): the recomputed forward and the backward gather again;
 - gradients are reduced in buckets of zero3_reduce_bucket_numel elements (reduce_ipg_grads) with an
@@ -19,7 +20,7 @@
   then the forward), so those launches delay the compute.
 
 The sub-modules of a transformer block are its weight matmuls (QKV, projection, the MLP's), each priced
-with its share of the block's FLOPs; the two-stream timeline is overlap.overlapped_s.
+with its share of the block's FLOPs, on a compute and a communication stream (_simulate).
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from autoplan.cost.overlap import overlapped_s
 from autoplan.plan.engine import Engine
 
 
@@ -63,24 +63,67 @@ def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: En
     each layer given as (its modules, its recomputed-forward modules). gather_s(numel) prices one
     parameter's all-gather on the communication stream, reduce_s(numel) one gradient bucket's
     reduction, issue_s the host time to issue one gather (its copy-out launches), spent on the compute
-    stream's critical path. Forward and backward are makespans on two streams, host time included."""
+    stream's critical path. Forward and backward are makespans of _simulate, host time included."""
     sync = engine.zero3_sync_per_module
-    fwd = _timeline(*_forward(layers, engine, gather_s, sync), issue_s)
-    compute, pre, post = _backward(layers, engine, recompute, gather_s, reduce_s, sync)
-    bwd = _timeline(compute, pre, post, issue_s)
-    comm_f = sum(gather_s(m.numel) for mods, _ in layers for m in mods if _partitioned(m, engine))
-    return fwd, bwd, comm_f + sum(pre) + sum(post)
+    fwd_steps = [_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
+                       partitioned=_partitioned(m, engine), keep=False)
+                 for li, (mods, _) in enumerate(layers) for mi, m in enumerate(mods)]
+    fwd, comm_f = _simulate(fwd_steps, engine, gather_s, issue_s)
+    bwd, comm_b = _simulate(_backward_steps(layers, engine, recompute, reduce_s, sync), engine, gather_s, issue_s)
+    return fwd, bwd, comm_f + comm_b
 
 
-def _timeline(compute: list[float], pre: list[float], post: list[float], issue_s: float) -> float:
-    """overlap.overlapped_s with the host cost of issuing each gather added to the compute of the module
-    that issues it (module i issues module i + 1's prefetch; the first module its own)."""
-    if issue_s:
-        compute = list(compute)
-        for i, g in enumerate(pre):
-            if g:
-                compute[max(i - 1, 0)] += issue_s
-    return overlapped_s(compute, pre, post)
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One sub-module's use: which parameter (key), its size, its compute, whether it is partitioned,
+    whether it stays gathered after (reuse within zero3_max_reuse_numel), the reduction queued after it."""
+
+    key: tuple[int, int]
+    numel: float
+    compute: float
+    partitioned: bool
+    keep: bool
+    post: float = 0.0
+
+
+def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], float], issue_s: float) -> tuple[float, float]:
+    """stage3.py's fetch / prefetch / release on a compute and a communication stream (the makespan, and
+    the communication time): fetch_sub_module gathers the module's parameter unless it is held or in
+    flight and waits for it; prefetch_next_sub_modules then issues the next module's gather, only if no
+    prefetch is in flight and the gathered parameters (total_available_parameter_numel, prefetched ones
+    included) are below zero3_max_live_numel (stage3_max_live_parameters); issuing a gather costs the host
+    issue_s before the compute; release_sub_module re-partitions the parameter unless it is kept."""
+    held: dict[tuple[int, int], float] = {}
+    inflight: dict[tuple[int, int], float] = {}  # key -> time its gather completes
+    now = comm_free = comm_total = 0.0
+    for k, st in enumerate(steps):
+        ready = now
+        if st.key in inflight:  # prefetched: wait for it
+            ready = max(now, inflight.pop(st.key))
+        elif st.partitioned and st.key not in held:
+            now += issue_s
+            g = gather_s(st.numel)
+            comm_free = max(comm_free, now) + g
+            comm_total += g
+            ready = comm_free
+            held[st.key] = st.numel
+        nxt = steps[k + 1] if k + 1 < len(steps) else None
+        if (nxt is not None and nxt.partitioned and nxt.key not in held and not inflight
+                and sum(held.values()) < engine.zero3_max_live_numel):
+            now += issue_s
+            g = gather_s(nxt.numel)
+            comm_free = max(comm_free, now) + g
+            comm_total += g
+            inflight[nxt.key] = comm_free
+            held[nxt.key] = nxt.numel  # counted as available once prefetched (_increment_available_parameter_numel)
+        start = max(now, ready)
+        now = start + st.compute
+        if not st.keep:
+            held.pop(st.key, None)
+        if st.post > 0:
+            comm_free = max(comm_free, now) + st.post
+            comm_total += st.post
+    return max(now, comm_free), comm_total
 
 
 def _partitioned(m: Module, engine: Engine) -> bool:
@@ -95,36 +138,29 @@ def _step(m: Module, *, backward: bool, sync: bool) -> float:
     return dev + host if sync else dev
 
 
-def _forward(layers, engine: Engine, gather_s, sync: bool) -> tuple[list[float], list[float], list[float]]:
-    compute = [_step(m, backward=False, sync=sync) for mods, _ in layers for m in mods]
-    pre = [gather_s(m.numel) if _partitioned(m, engine) else 0.0 for mods, _ in layers for m in mods]
-    return compute, pre, [0.0] * len(compute)
-
-
-def _backward(layers, engine: Engine, recompute: bool, gather_s, reduce_s,
-              sync: bool) -> tuple[list[float], list[float], list[float]]:
-    """Layers in reverse: the recomputed forward (gathering again), then the backward in reverse module
-    order, re-gathering a module unless fewer than zero3_max_reuse_numel elements were used since its
-    last use; gradients fill buckets, each reduced when full (and the last one at the end)."""
-    compute, pre, post = [], [], []
+def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: bool) -> list[_Step]:
+    """Layers in reverse: the recomputed forward (gathering again; a module stays gathered if fewer than
+    zero3_max_reuse_numel elements are used before its backward), then the backward in reverse module
+    order (released after); gradients fill buckets, each reduced when full (and the last one at the end)."""
+    steps: list[_Step] = []
     bucket = 0.0
-    for mods, recs in reversed(layers):
-        used_since: list[float] = []
+    for li in reversed(range(len(layers))):
+        mods, recs = layers[li]
         if recompute:
-            for m in recs:
-                compute.append(_step(m, backward=False, sync=sync))
-                pre.append(gather_s(m.numel) if _partitioned(m, engine) else 0.0)
-                post.append(0.0)
-            used_since = [sum(x.numel for x in mods[i + 1:]) for i in range(len(mods))]
-        for i in reversed(range(len(mods))):
-            m = mods[i]
-            kept = recompute and used_since[i] < engine.zero3_max_reuse_numel
-            compute.append(_step(m, backward=True, sync=sync))
-            pre.append(gather_s(m.numel) if _partitioned(m, engine) and not kept else 0.0)
+            for mi, m in enumerate(recs):
+                used_since = sum(x.numel for x in mods[mi + 1:])
+                steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
+                                   partitioned=_partitioned(m, engine), keep=used_since < engine.zero3_max_reuse_numel))
+        for mi in reversed(range(len(mods))):
+            m = mods[mi]
             bucket += m.numel
             full = bucket >= engine.zero3_reduce_bucket_numel
-            post.append(reduce_s(bucket) if full else 0.0)
+            steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=True, sync=sync),
+                               partitioned=_partitioned(m, engine), keep=False,
+                               post=reduce_s(bucket) if full else 0.0))
             bucket = 0.0 if full else bucket
-    if bucket and post:
-        post[-1] += reduce_s(bucket)
-    return compute, pre, post
+    if bucket and steps:
+        last = steps[-1]
+        steps[-1] = _Step(key=last.key, numel=last.numel, compute=last.compute, partitioned=last.partitioned,
+                          keep=last.keep, post=last.post + reduce_s(bucket))
+    return steps

@@ -48,6 +48,7 @@ class Engine:
     # DeepSpeed ZeRO-3 (zero3='deepspeed'); ignored with fsdp2
     zero3_prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
     zero3_max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance
+    zero3_max_live_numel: int = 1_000_000_000  # stage3_max_live_parameters: no prefetch above this many gathered
     zero3_persistence_numel: int = 100_000  # stage3_param_persistence_threshold: smaller params not sharded
     zero3_reduce_bucket_numel: int = 500_000_000  # reduce_bucket_size
     zero3_grad_reduction: str = "reduce_scatter"  # 'all_reduce' (DeepSpeed 2021 default) or 'reduce_scatter'

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED = ("dgx-a100-80gb", "dgx-h100-80gb", "h200", "local-cpu")
 
 # Vendor datasheets (dense tensor-core FLOP/s, HBM bytes/s, NVLink one direction, NIC per GPU):
-# A100 SXM4 80GB, H100 SXM5, H200 SXM datasheets; see /work/shared/FORMULAS.md.
+# A100 SXM4 80GB, H100 SXM5, H200 SXM datasheets; the sources are cited beside each figure in profiles/.
 DATASHEET = {
     "dgx-a100-80gb": {
         "bf16": 312e12,

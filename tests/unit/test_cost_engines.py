@@ -178,7 +178,7 @@ def test_deepspeed_zero3_costs_its_mechanism_against_fsdp2() -> None:
     rs = comm.reduce_scatter_s(params * 2, group, cluster)
     ar = comm.all_reduce_s(params * 2, group, cluster)
     assert math.isclose(ar, 2 * rs, rel_tol=1e-9)  # a ring all-reduce is a reduce-scatter and an all-gather
-    assert math.isclose(ds.breakdown.dp_comm / fs.breakdown.dp_comm, (3 * ag + ar) / (2 * ag + rs), rel_tol=0.05)
+    assert math.isclose(ds.breakdown.dp_comm / fs.breakdown.dp_comm, (3 * ag + ar) / (2 * ag + rs), rel_tol=0.1)
     assert ds.step_time_s > 1.4 * fs.step_time_s
 
 
