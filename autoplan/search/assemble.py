@@ -9,7 +9,6 @@ of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) ma
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -46,28 +45,44 @@ def layouts(c: dict[str, np.ndarray], engine: Engine) -> dict[str, np.ndarray]:
     return out
 
 
-@lru_cache(maxsize=1 << 16)
-def _collective(kind: str, group: Any, nbytes: float, cluster: ClusterSpec) -> float:
-    fn = {"ag": comm.all_gather_s, "rs": comm.reduce_scatter_s, "ar": comm.all_reduce_s}[kind]
-    return fn(nbytes, group, cluster)
+_KINDS = {"ag": comm.all_gather_s, "rs": comm.reduce_scatter_s, "ar": comm.all_reduce_s}
+
+
+def _unique_rows(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct rows of the stacked columns and, for each input row, the index of its distinct row
+    (each column ranked on its own, the ranks combined into one integer key: 1-D uniques are fast)."""
+    cols = [np.asarray(c, dtype=float).reshape(-1) for c in columns]
+    key = np.zeros(len(cols[0]), dtype=np.int64)
+    for col in cols:
+        values, rank = np.unique(col, return_inverse=True)
+        key = key * len(values) + rank.reshape(-1)
+    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+    return np.stack([col[first] for col in cols], axis=1), inverse.reshape(-1)
 
 
 def collective_s(kind: str, sizes: np.ndarray, axes: tuple[str, ...], nbytes: np.ndarray,
                  cluster: ClusterSpec) -> np.ndarray:
     """cost.comm's time of `kind` ('ag', 'rs', 'ar') for each candidate's group over `axes` (mesh sizes
-    [n, 5] in MESH_AXIS_ORDER) and message size (an array broadcast against [n] or [n, p])."""
+    [n, 5] in MESH_AXIS_ORDER) and message size (an array [n] or [n, p]); each distinct (mesh, bytes)
+    pair is priced once."""
     nbytes = np.asarray(nbytes, dtype=float)
-    flat = np.broadcast_to(nbytes, nbytes.shape).reshape(len(sizes), -1)
-    out = np.zeros_like(flat)
-    groups: dict[tuple[int, ...], Any] = {}
-    for i in range(len(sizes)):
-        key = tuple(int(x) for x in sizes[i])
+    shape = nbytes.shape
+    per = 1 if nbytes.ndim == 1 else shape[1]
+    mesh = np.repeat(sizes, per, axis=0)
+    flat = np.round(nbytes.reshape(-1))
+    uniq, inverse = _unique_rows(*mesh.T, flat)
+    fn = _KINDS[kind]
+    groups: dict[tuple[int, ...], object] = {}
+    values = np.zeros(len(uniq))
+    for i, row in enumerate(uniq.tolist()):
+        key, b = tuple(int(x) for x in row[:5]), row[5]
+        if b <= 0:
+            continue
         if key not in groups:
             cfg = ParallelConfig(pp=key[0], dp=key[1], ep=key[2], cp=key[3], tp=key[4])
             groups[key] = comm.group_placement(cfg, axes, cluster.devices_per_node)
-        for j, b in enumerate(flat[i].tolist()):
-            out[i, j] = _collective(kind, groups[key], float(round(b)), cluster) if b > 0 else 0.0
-    return out.reshape(nbytes.shape)
+        values[i] = fn(b, groups[key], cluster)
+    return values[inverse].reshape(shape)
 
 
 def _uniform_exposed(compute: np.ndarray, pre: np.ndarray, post: np.ndarray, layers: np.ndarray) -> np.ndarray:
@@ -143,14 +158,15 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
 
 
 def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec) -> np.ndarray:
-    """cost.comm.p2p_s of the activation a pipeline cut sends, on the link the pp group crosses."""
-    out = np.zeros(len(out_bytes))
-    for i in range(len(out_bytes)):
-        cfg = ParallelConfig(pp=int(c["pp"][i]), dp=int(c["dp"][i]), ep=int(c["ep"][i]), cp=int(c["cp"][i]),
-                             tp=int(c["tp"][i]))
+    """cost.comm.p2p_s of the activation a pipeline cut sends, on the link the pp group crosses (each
+    distinct (mesh, bytes) priced once)."""
+    uniq, inverse = _unique_rows(c["pp"], c["dp"], c["ep"], c["cp"], c["tp"], np.round(out_bytes))
+    values = np.zeros(len(uniq))
+    for i, (pp, dp, ep, cp, tp, b) in enumerate(uniq.tolist()):
+        cfg = ParallelConfig(pp=int(pp), dp=int(dp), ep=int(ep), cp=int(cp), tp=int(tp))
         cross = comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes
-        out[i] = comm.p2p_s(float(out_bytes[i]), cross, cluster)
-    return out
+        values[i] = comm.p2p_s(b, cross, cluster)
+    return values[inverse]
 
 
 def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
@@ -246,8 +262,9 @@ def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspee
     ds = (3.0 * extra["max_numel"][:, None] + 2.0 * engine.zero3_reduce_bucket_numel) * w + 0.0 * fsdp
     working = np.where(deepspeed[:, None], ds, np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0))
     acts = f["act"] * inflight(c["schedule"], pp, v, m) + extra["work"]
+    uniq, inverse = _unique_rows(c["tp"], c["cp"], c["ep"], c["dp"])
     nccl = np.array([nccl_buffer_bytes(ParallelConfig(tp=int(t), cp=int(cp), ep=int(ep), pp=pp, dp=int(dp)), cluster)
-                     for t, cp, ep, dp in zip(c["tp"], c["cp"], c["ep"], c["dp"])])
+                     for t, cp, ep, dp in uniq.tolist()])[inverse]
     reserve = cluster.device.runtime_reserve_bytes + nccl
     return (states + working + acts).max(axis=1) + reserve, acts.max(axis=1)
 
