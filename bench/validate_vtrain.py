@@ -57,10 +57,20 @@ def read_rows(name: str) -> list[dict[str, float]]:
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(fh)]
 
 
+def padded_vocab(vocab: int, tp: int, divisible_by: int = 128) -> int:
+    """The vocabulary Megatron-LM trains with: padded to a multiple of make_vocab_size_divisible_by (128,
+    the default) times tp (megatron/training/tokenizer/tokenizer.py, _vocab_size_with_padding), so that the
+    vocab-parallel embedding and loss split it evenly."""
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
 def predict_s(row: dict[str, float], engine: Engine | None = None) -> float:
     gpus, h, a = int(row["# GPUs"]), int(row["hidden size"]), int(row["attention heads"])
-    graph = gpt_graph(h=h, a=a, layers=int(row["# layers"]), seq=int(row["sequence length"]), vocab=VOCAB)
-    config = ParallelConfig(tp=int(row["tensor parallelism"]), dp=int(row["data parallelism"]),
+    tp = int(row["tensor parallelism"])
+    graph = gpt_graph(h=h, a=a, layers=int(row["# layers"]), seq=int(row["sequence length"]),
+                      vocab=padded_vocab(VOCAB, tp))
+    config = ParallelConfig(tp=tp, dp=int(row["data parallelism"]),
                             pp=int(row["pipeline parallelism"]), microbatch=int(row["micro batch"]),
                             recompute="full", schedule="1f1b")
     est = estimate_config(graph, vtrain_cluster(gpus), config, global_batch=int(row["global batch"]),

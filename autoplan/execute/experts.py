@@ -1,8 +1,9 @@
 """Expert parallelism: each MoE layer's routed experts split over the ep mesh axis, tokens exchanged by all-to-all.
 
-`apply_experts` swaps every `mlp.experts` (autoplan.models.Experts) for an `ExpertParallel` that holds the
-experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) as DTensor Shard(0) parameters on the ep mesh, so their FQNs
-(`...mlp.experts.w1`) and global shapes [E, f, h] are those of the reference model and DCP reshards them.
+`apply_experts` swaps every `mlp.experts` (autoplan.models.Experts, or a Hugging Face transformers 5 experts
+module: stacked `gate_up_proj` [E, 2f, h] and `down_proj` [E, h, f] with `act_fn`, as Mixtral's) for an
+`ExpertParallel` that holds the experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) as DTensor Shard(0) parameters
+on the ep mesh, so their FQNs and global shapes are those of the reference model and DCP reshards them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from autoplan.models.moe import Experts
 
 _WEIGHT_NAMES = ("w1", "w2", "w3")
+HF_WEIGHT_NAMES = ("gate_up_proj", "down_proj")
 
 
 def dispatch_layout(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -64,6 +66,23 @@ def expert_ffn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Te
     return (F.silu(x @ w1.t()) * (x @ w3.t())) @ w2.t()
 
 
+def is_hf_experts(module: nn.Module) -> bool:
+    """A transformers 5 experts module: exactly the stacked gate_up_proj / down_proj weights and an act_fn."""
+    names = {name for name, _ in module.named_parameters(recurse=False)}
+    return (names == set(HF_WEIGHT_NAMES) and hasattr(module, "act_fn")
+            and all(getattr(module, n).dim() == 3 for n in HF_WEIGHT_NAMES))
+
+
+def _hf_expert_ffn(act_fn: nn.Module):
+    """One Hugging Face expert on its rows (MixtralExperts.forward): gate, up = x W_gu^T; down(act(gate) * up)."""
+
+    def ffn(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(act_fn(gate) * up, down)
+
+    return ffn
+
+
 class _ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient by `scale` in backward."""
 
@@ -90,18 +109,28 @@ class ExpertParallel(nn.Module):
     dp*cp average equals the single-device gradient of the mean loss.
     """
 
-    def __init__(self, experts: Experts, ep_mesh: DeviceMesh) -> None:
+    def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh) -> None:
         super().__init__()
-        ep, num_experts = ep_mesh.size(), experts.num_experts
+        if isinstance(experts, Experts):
+            self.weight_names, num_experts = _WEIGHT_NAMES, experts.num_experts
+            self.family = experts.family
+            self._ffn = lambda x, w1, w2, w3: expert_ffn(x, w1, w2, w3)
+        elif is_hf_experts(experts):
+            self.weight_names, num_experts = HF_WEIGHT_NAMES, int(experts.gate_up_proj.shape[0])
+            self.family, self.act_fn = "hf", experts.act_fn
+            self._ffn = _hf_expert_ffn(experts.act_fn)
+        else:
+            raise ValueError(f"expert parallelism takes autoplan's Experts or transformers' stacked gate_up_proj / "
+                             f"down_proj experts, not {type(experts).__name__}")
+        ep = ep_mesh.size()
         if num_experts % ep:
             raise ValueError(f"expert parallel degree ep={ep} does not divide the {num_experts} experts of a "
                              f"MoE layer: choose ep among the divisors of {num_experts}")
         self.num_experts = num_experts
-        self.family = experts.family
         self.ep_mesh = ep_mesh
         self.num_local_experts = num_experts // ep
         first = ep_mesh.get_local_rank() * self.num_local_experts
-        for name in _WEIGHT_NAMES:
+        for name in self.weight_names:
             full = getattr(experts, name)
             if full is None:
                 setattr(self, name, None)
@@ -117,7 +146,7 @@ class ExpertParallel(nn.Module):
     def _local_weights(self) -> list[torch.Tensor | None]:
         scale = 1.0 / self.ep_mesh.size()
         out: list[torch.Tensor | None] = []
-        for name in _WEIGHT_NAMES:
+        for name in self.weight_names:
             weight = getattr(self, name)
             if weight is not None:
                 weight = weight.to_local() if isinstance(weight, DTensor) else weight
@@ -138,9 +167,9 @@ class ExpertParallel(nn.Module):
         received = funcol.all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)
         index = expert_major_index(recv_counts)
         rows = torch.split(received[index], recv_counts.sum(dim=0).tolist())
-        w1, w2, w3 = self._local_weights()
+        weights = self._local_weights()
         # every local expert runs, even on zero rows, so each weight always gets a (possibly zero) gradient
-        outs = [expert_ffn(chunk, w1[e], w2[e], None if w3 is None else w3[e]) for e, chunk in enumerate(rows)]
+        outs = [self._ffn(chunk, *(None if w is None else w[e] for w in weights)) for e, chunk in enumerate(rows)]
         y_expert_major = torch.cat(outs)
         y_source_major = y_expert_major[torch.argsort(index)].contiguous()
         y_sorted = funcol.all_to_all_single_autograd(y_source_major, send_splits, recv_splits, group)
@@ -153,11 +182,13 @@ class ExpertParallel(nn.Module):
         return f"experts [{first}, {first + self.num_local_experts}) of {self.num_experts}, ep={self.ep_mesh.size()}"
 
 
-def apply_experts(model: nn.Module, *, ep_mesh: DeviceMesh | None) -> None:
-    """Replace every `Experts` submodule (each MoE block's `mlp.experts`) by an `ExpertParallel` over ep_mesh.
+def apply_experts(model: nn.Module, *, ep_mesh: DeviceMesh | None, paths: tuple[str, ...] | None = None) -> None:
+    """Replace every `Experts` submodule (each MoE block's `mlp.experts`), or the modules at `paths` (module
+    FQNs, for other models: graph.roles finds them), by an `ExpertParallel` over ep_mesh.
 
     A no-op when ep_mesh is None or has size 1, and for models or pipeline stages without MoE layers.
-    Needs the full, identically seeded expert weights on every rank (each keeps its own slice).
+    Needs the full, identically seeded expert weights on every rank (each keeps its own slice), or meta
+    weights (each rank then materialises its own slice: execute.weights).
     Data parallelism afterwards must treat the ExpertParallel modules apart: their weights are sharded over
     ep, so they are replicated / FSDP-sharded over the dp (and cp) axes only, not over ep.
     """
@@ -165,7 +196,11 @@ def apply_experts(model: nn.Module, *, ep_mesh: DeviceMesh | None) -> None:
         return
     if ep_mesh.ndim != 1:
         raise ValueError(f"ep_mesh must be a 1-D mesh (the 'ep' axis), got {ep_mesh.ndim} dimensions")
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, Experts)]
+    present = dict(model.named_modules())
+    if paths is None:
+        targets = [(name, module) for name, module in present.items() if isinstance(module, Experts)]
+    else:
+        targets = [(name, present[name]) for name in paths if name in present]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -177,5 +212,5 @@ def expert_parallel_modules(model: nn.Module) -> list[ExpertParallel]:
     return [module for module in model.modules() if isinstance(module, ExpertParallel)]
 
 
-__all__ = ["ExpertParallel", "apply_experts", "dispatch_layout", "expert_ffn", "expert_major_index",
-           "expert_parallel_modules", "rank_splits"]
+__all__ = ["HF_WEIGHT_NAMES", "ExpertParallel", "apply_experts", "dispatch_layout", "expert_ffn",
+           "expert_major_index", "expert_parallel_modules", "is_hf_experts", "rank_splits"]

@@ -284,6 +284,14 @@ class Plan:
     layer_recompute: tuple[tuple[str, Recompute], ...] = ()
     rank: int = 0  # 1 = best; 0 when not from a search
     notes: tuple[str, ...] = ()  # plain-language reasons, filled by the search
+    # layouts the ranking folded into this one (predicted the same within the tie tolerances of
+    # autoplan.search.ties), each said by how it differs: "zero=2", "dp=16 cp=2 microbatch=2"
+    folded: tuple[str, ...] = ()
+    # the shape of one input sample the plan was priced for when the model takes no token ids (a CNN
+    # or ViT: (channels, height, width)); empty for token models, whose sample is seq_len tokens
+    sample_shape: tuple[int, ...] = ()
+    # graph.fingerprint.model_fingerprint of the model the plan was made for ("": unknown, not checked)
+    fingerprint: str = ""
     engine: Engine | None = None  # the engine the estimate was made for (None: not recorded, older plans)
 
     def __post_init__(self) -> None:
@@ -294,6 +302,14 @@ class Plan:
             tuple((str(n), _parse_enum(Recompute, r, "recompute mode")) for n, r in self.layer_recompute),
         )
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "folded", tuple(self.folded))
+        object.__setattr__(self, "sample_shape", tuple(int(d) for d in self.sample_shape))
+
+    @property
+    def samples_per_s(self) -> float:
+        """Training samples (sequences, images) per second: the global batch over the step time."""
+        t = self.estimate.step_time_s
+        return self.global_batch / t if t > 0 else 0.0
 
     def recompute_for(self, layer_name: str) -> Recompute:
         return dict(self.layer_recompute).get(layer_name, self.config.recompute)
@@ -303,3 +319,21 @@ class Plan:
         from autoplan.plan.explain import explain
 
         return explain(self)
+
+    def to_megatron_args(self, *, strict: bool = False) -> list[str]:
+        """Megatron-LM flags for this layout (autoplan.plan.export.to_megatron_args)."""
+        from autoplan.plan.export import to_megatron_args
+
+        return to_megatron_args(self, strict=strict)
+
+    def to_torchtitan_toml(self, *, strict: bool = False) -> str:
+        """A torchtitan job TOML for this layout (autoplan.plan.export.to_torchtitan_toml)."""
+        from autoplan.plan.export import to_torchtitan_toml
+
+        return to_torchtitan_toml(self, strict=strict)
+
+    def to_deepspeed_config(self, *, strict: bool = False) -> dict[str, Any]:
+        """A DeepSpeed config dict for this layout (autoplan.plan.export.to_deepspeed_config)."""
+        from autoplan.plan.export import to_deepspeed_config
+
+        return to_deepspeed_config(self, strict=strict)

@@ -7,6 +7,7 @@ legal combination is listed; pruning happens in search.py on predicted costs, by
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,6 +39,7 @@ class SearchOptions:
     schedules: tuple[Schedule, ...] = SCHEDULES
     recompute: tuple[Recompute, ...] = RECOMPUTES
     max_virtual_stages: int = 8
+    max_tp: int | None = None  # tp at most this (with tp=None: every tp up to it)
     use_ilp: bool = True  # refine per-layer recompute and the stage split of the best candidates
     progress: bool = False  # a rich status line on stderr
 
@@ -48,6 +50,10 @@ class SearchOptions:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
         for name in ("tp", "pp", "dp", "cp", "ep", "microbatch"):
             object.__setattr__(self, name, _as_degrees(name, getattr(self, name)))
+        for name in ("max_virtual_stages", "max_tp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         zero = _as_tuple(self.zero)
         for z in zero:
             if isinstance(z, bool) or z not in (0, 1, 2, 3):
@@ -89,50 +95,34 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelLimits:
-    """What the model allows: tp must divide every block's heads, kv heads and ffn width; ep the experts."""
-
-    num_blocks: int
-    tp_divides: tuple[int, ...]
-    num_experts: int
-
-    @classmethod
-    def of(cls, graph: LayerGraph) -> ModelLimits:
-        blocks = graph.blocks or graph.layers
-        sizes = {v for b in blocks for v in (b.num_heads, b.num_kv_heads, b.ffn_hidden_size) if v > 0}
-        experts = {b.num_experts for b in blocks if b.num_experts > 0}
-        if len(experts) > 1:
-            raise ValueError(f"layers have different expert counts {sorted(experts)}: ep cannot divide them all")
-        return cls(num_blocks=len(blocks), tp_divides=tuple(sorted(sizes)), num_experts=min(experts, default=0))
+def _fits(graph: LayerGraph, config: ParallelConfig, global_batch: int | None = None) -> bool:
+    return not graph.divisibility_errors(config, global_batch=global_batch)
 
 
 def mesh_shapes(
     graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions
 ) -> tuple[tuple[int, int, int, int, int], ...]:
-    """(tp, pp, dp, cp, ep) with product = devices; tp inside a node dividing heads / kv heads / ffn,
-    ep dividing the experts (1 for dense models), 2*cp dividing seq_len (cp > 1), pp <= blocks, dp*ep dividing the
-    global batch (else no microbatch works)."""
-    limits = ModelLimits.of(graph)
-    n = cluster.num_devices
-    node = cluster.devices_per_node
-    tps = [t for t in divisors(node) if all(s % t == 0 for s in limits.tp_divides)]
-    eps = divisors(limits.num_experts) if limits.num_experts else (1,)
+    """(tp, pp, dp, cp, ep) with product = devices and tp inside a node, that divide the model as
+    plan.layout.divisibility_errors says (the executor refuses the rest with the same function): tp the
+    heads, kv heads, FFN width and vocabulary; ep the routed experts; 2*cp the sequence (cp > 1); pp the
+    blocks (pp <= blocks); dp*ep the global batch. Each rule involves one degree (or dp*ep), so each degree
+    is filtered on its own and the product is checked once more."""
+    n, experts = cluster.num_devices, max((b.num_experts for b in graph.blocks), default=0)
+    tps = [t for t in _allowed(divisors(cluster.devices_per_node), options.tp) if _fits(graph, ParallelConfig(tp=t))
+           and (options.max_tp is None or t <= options.max_tp)]
+    eps = [e for e in _allowed(divisors(experts) if experts else (1,), options.ep) if _fits(graph, ParallelConfig(ep=e))]
+    cps = [c for c in _allowed(divisors(graph.seq_len), options.cp) if _fits(graph, ParallelConfig(cp=c))]
     out = []
-    for tp in _allowed(tps, options.tp):
-        for ep in _allowed(eps, options.ep):
-            # cp > 1 splits the sequence into 2*cp load-balanced chunks (execute/context.py), so 2*cp | seq_len
-            cps = [c for c in divisors(graph.seq_len) if c == 1 or graph.seq_len % (2 * c) == 0]
-            for cp in _allowed(cps, options.cp):
-                inner = tp * ep * cp
-                if n % inner:
-                    continue
-                for pp in _allowed(divisors(n // inner), options.pp):
-                    dp = n // (inner * pp)
-                    if pp > limits.num_blocks or (options.dp is not None and dp not in options.dp):
-                        continue
-                    if options.global_batch % (dp * ep) == 0:
-                        out.append((tp, pp, dp, cp, ep))
+    for tp, ep, cp in itertools.product(tps, eps, cps):
+        inner = tp * ep * cp
+        if n % inner:
+            continue
+        for pp in _allowed(divisors(n // inner), options.pp):
+            dp = n // (inner * pp)
+            if options.dp is not None and dp not in options.dp:
+                continue
+            if _fits(graph, ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), options.global_batch):
+                out.append((tp, pp, dp, cp, ep))
     return tuple(out)
 
 
@@ -143,7 +133,8 @@ def _allowed(values: Iterable[int], restrict: tuple[int, ...] | None) -> list[in
 def schedule_choices(pp: int, num_blocks: int, options: SearchOptions) -> tuple[tuple[Schedule, int], ...]:
     """(schedule, virtual stages). With pp = 1 every schedule is the same computation: 1F1B stands for
     all. Interleaved needs v >= 2 dividing blocks // pp (Megatron's rule, Narayanan et al. 2021); the
-    zero-bubble schedule runs as ZB-H1 (v = 1) or ZB-V (v = 2; Qi et al. 2024)."""
+    zero-bubble schedule runs as ZB-H1 (v = 1) or ZB-V (v = 2; Qi et al. 2024); pp * v <= blocks (plan.layout
+    divisibility_errors: at least one block per stage) holds for both."""
     if pp == 1:
         return ((Schedule.ONE_F_ONE_B, 1),)
     out: list[tuple[Schedule, int]] = []
@@ -181,7 +172,7 @@ class Space:
 
 def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions) -> Space:
     """Every legal candidate: mesh x microbatch x (schedule, v) x recompute x zero x sp."""
-    num_blocks = ModelLimits.of(graph).num_blocks
+    num_blocks = len(graph.blocks)
     recomputes = [RECOMPUTES.index(r) for r in options.recompute]
     blocks: list[np.ndarray] = []
     for tp, pp, dp, cp, ep in mesh_shapes(graph, cluster, options):
