@@ -7,6 +7,11 @@ are materialised is the engine's (Engine.attention).
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autoplan
+
 from autoplan.graph.types import Layer, LayerGraph, LayerRole
 
 # Host ops per forward when the engine has no count of its own: the nodes autoplan's capture finds in its

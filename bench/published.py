@@ -7,8 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autoplan
 
 from graphs import gpt_graph, llama_graph
 

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autoplan
 
 from graphs import gpt_graph
 from published import Result, megatron_flops

@@ -21,6 +21,8 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autoplan
+
 from graphs import gpt_graph
 
 from autoplan.cluster.load import Cluster
