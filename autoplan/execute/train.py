@@ -38,6 +38,7 @@ from autoplan.execute.data import (  # noqa: F401 - the data functions' home was
 from autoplan.execute.experts import check_expert_layout
 from autoplan.execute.fsdp import prepare_microbatch
 from autoplan.execute.generic import build_generic_parts
+from autoplan.execute.gradnorm import global_grad_norm
 from autoplan.execute.mesh import SubMeshes, build_expert_mesh, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
     SCALE_GRADS,
@@ -86,6 +87,7 @@ class TrainResult:
     peak_mem_bytes: int
     start_step: int = 0
     parts: list[nn.Module] = field(default_factory=list, repr=False)
+    grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step (execute.gradnorm)
 
 
 def build_model(model_name: str, seed: int) -> Transformer:
@@ -216,7 +218,8 @@ def train(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: Tra
     vocab = job.vocab_size
     tokens = load_tokens(options.data, vocab_size=vocab, seq_len=options.seq_len) if options.data else None
     n_mb = job.config.num_microbatches(options.global_batch)
-    losses, times = [], []
+    losses, times, norms = [], [], []
+    pp_group = job.meshes.pp.get_group() if job.config.pp > 1 else None
     for step in range(start, options.steps):
         if on_step is not None:
             on_step(step)
@@ -229,17 +232,22 @@ def train(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: Tra
         inputs, targets = (t.to(device) for t in local_batch(batch, job.config, job.meshes))
         t0 = time.perf_counter()
         local = _forward_backward(job, inputs, targets, n_mb)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t_norm = time.perf_counter()
+        norms.append(global_grad_norm(job.parts, pp_group=pp_group))  # not timed: a check, not the plan's work
+        t1 = time.perf_counter()
         for optimizer in job.optimizers:
             optimizer.step()
             optimizer.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t1 + (t_norm - t0))
         losses.append(_global_loss(job, local))
         if options.save_every and (step + 1) % options.save_every == 0:
             _save(job, options, step + 1)
     return TrainResult(losses=losses, step_times_s=times, peak_mem_bytes=peak_memory_bytes(device),
-                       start_step=start, parts=job.parts)
+                       start_step=start, parts=job.parts, grad_norms=norms)
 
 
 def _save(job: _Job, options: TrainOptions, step: int) -> None:
@@ -281,6 +289,7 @@ def report(result: TrainResult, *, plan: Plan | ParallelConfig, model_name: str,
         "start_step": result.start_step,
         "steps": options.steps,
         "losses": result.losses,
+        "grad_norms": result.grad_norms,
         "step_times_s": result.step_times_s,
         "step_time_s": statistics.median(steady) if steady else None,
         "peak_mem_bytes_per_rank": peak_mem_per_rank,
