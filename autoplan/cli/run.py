@@ -152,7 +152,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ValueError("without --plan, give --global-batch and --seq-len")
         config = config_from_args(args, devices)
         # every check before the prediction, which captures the model (seconds for a large one)
-        spec, meta = resolve_model(args.model, weights=args.weights)
+        spec, meta = resolve_model(args.model, weights=args.weights, seq_len=args.seq_len)
         preflight(config, spec, meta, global_batch=args.global_batch, seq_len=args.seq_len,
                   nproc_per_node=args.nproc_per_node, nnodes=nnodes, data=args.data)
         plan = _predicted_plan(args, config, nnodes)

@@ -18,7 +18,7 @@ from autoplan.graph.types import LayerGraph
 from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute, Stage
 from autoplan.search.notes import nothing_fits_message, plan_notes
 from autoplan.search.refine import refine
-from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space
+from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space, token_free_restriction
 from autoplan.search.surrogate import Quick, quick_estimate
 from autoplan.search.ties import fold_ties
 
@@ -52,6 +52,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     the remedies) if none fits. `record`, when given, receives the candidates: "quick" (the quick estimate
     of every candidate) and "exact" (the exactly estimated, fitting ones), for a Pareto plot."""
     cost = cost_model or importlib.import_module("autoplan.cost")
+    options, restricted = token_free_restriction(graph, options)
     with _status(options.progress) as status:
         status(f"enumerating configurations for {cluster.num_devices} devices")
         space = enumerate_space(graph, cluster, options)
@@ -69,8 +70,8 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     ranked = fold_ties(sorted(found, key=_rank_key))[:options.top_k]
     plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost, folded=folded)
              for i, (cand, folded) in enumerate(ranked)]
-    return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost))
-                 for p, (cand, _) in zip(plans, ranked))
+    return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost)
+                         + ((restricted,) if restricted else ())) for p, (cand, _) in zip(plans, ranked))
 
 
 def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, status) -> list[Candidate]:
