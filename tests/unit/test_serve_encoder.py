@@ -19,7 +19,7 @@ from autoplan.cluster.load import Cluster
 from autoplan.serve.encoder import encode_s, handoff_s
 from autoplan.serve.estimate import estimate_serving
 from autoplan.serve.physics import Hardware
-from autoplan.serve.search import search
+from autoplan.serve.search import ServeSearchOptions, search
 from autoplan.serve.types import ServeConfig, ServeEncoder, Workload
 
 H, F, S, BLOCKS = 1024, 4096, 577, 24
@@ -125,7 +125,7 @@ def test_a_closed_loop_through_a_saturated_encoder_waits_there() -> None:
 def test_the_search_tries_the_encoder_on_its_own_devices_and_co_located() -> None:
     hw = _hw()
     work = Workload(input_len=100, output_len=100, concurrency=32, images_per_request=4)
-    scored = search(MODEL, hw, work, tpot_slo_s=0.05)
+    scored = search(MODEL, hw, work, tpot_slo_s=0.05, opts=ServeSearchOptions(pp=(1,), max_batch=(64,), disaggregated=False))
     kinds = {s.config.encoder_replicas > 0 for s in scored}
     assert kinds == {True, False}
     assert all(s.config.num_devices <= 8 for s in scored)
@@ -158,3 +158,15 @@ def test_encoder_options_on_a_model_without_an_encoder_are_one_line() -> None:
                          Workload(input_len=8, output_len=4, concurrency=1, images_per_request=1))
     with pytest.raises(ValueError, match="encoder_tp=2 needs encoder_replicas >= 1"):
         ServeConfig(encoder_tp=2)
+
+
+def test_cli_serve_of_a_model_with_an_encoder(capsys) -> None:
+    from autoplan.cli.main import main
+
+    assert main(["serve", "--model", "tiny-llava", "--cluster", "local-cpu", "--input-len", "8", "--output-len", "4",
+                 "--concurrency", "2", "--images-per-request", "2", "--tp", "1", "--pp", "1", "--max-batch", "8",
+                 "--aggregated-only", "--top-k", "2"]) == 0
+    assert "Encode: 2 image(s) per request" in capsys.readouterr().out
+    assert main(["serve", "--model", "tiny-llama", "--cluster", "local-cpu", "--input-len", "8", "--output-len", "4",
+                 "--concurrency", "1", "--images-per-request", "1"]) == 2
+    assert "autoplan: error: images_per_request=1: tiny-llama has no encoder" in capsys.readouterr().err
