@@ -121,7 +121,8 @@ def _components(model: Any) -> Any:
         return None
     config = getattr(module, "config", None)
     image_tokens = num_image_tokens(config) if getattr(config, "vision_config", None) is not None else 0
-    return component_graph(model, image_tokens + _CAPTURE_SEQ_LEN)
+    example = module.example_inputs() if callable(getattr(module, "example_inputs", None)) else None
+    return component_graph(module if example is not None else model, image_tokens + _CAPTURE_SEQ_LEN, example)
 
 
 def _with_encoder(graph: Any, **dtypes: Any) -> ServeModel:
