@@ -1,4 +1,5 @@
-"""`autoplan plan`, `autoplan estimate`, `autoplan models`, `autoplan clusters`: flags -> the API.
+"""`autoplan plan`, `autoplan estimate`, `autoplan models`, `autoplan clusters`, `autoplan engines`: flags ->
+the API.
 
 `autoplan plan` takes one flag per SearchOptions field (SEARCH_FLAGS) and writes the outputs a user asks
 for: --json (every ranked plan), --csv, --pareto (PNG) and --export ENGINE FILE (the best plan). A model
@@ -20,7 +21,8 @@ from autoplan.plan.export import ENGINES
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
 
 _GIB = 2**30
-_CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute")
+_CONFIG_KEYS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute",
+                "etp", "eep")
 
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
@@ -35,6 +37,10 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--virtual-stages", dest="virtual_stages", type=int, default=None, metavar="V",
                        help="model chunks per pipeline rank (interleaved / zb)")
     group.add_argument("--recompute", default=None, metavar="R", help="|".join(r.value for r in Recompute))
+    group.add_argument("--etp", type=int, default=None, metavar="N",
+                       help="MoE folding: expert tensor-parallel degree (default: tp)")
+    group.add_argument("--eep", type=int, default=None, metavar="N",
+                       help="MoE folding: expert-parallel degree over the stage's ranks (default: ep)")
 
 
 def config_from_args(args: argparse.Namespace, num_devices: int) -> ParallelConfig:
@@ -51,6 +57,14 @@ def _add_job_flags(parser: argparse.ArgumentParser, *, need_batch: bool = True) 
     parser.add_argument("--global-batch", dest="global_batch", type=int, required=need_batch,
                         help="sequences per optimizer step")
     parser.add_argument("--seq-len", dest="seq_len", type=int, required=True, help="tokens per sequence")
+    add_engine_flag(parser)
+
+
+def add_engine_flag(parser: argparse.ArgumentParser) -> None:
+    """--engine NAME|PATH: the training engine the estimate is for (see `autoplan engines`)."""
+    parser.add_argument("--engine", default=None, metavar="NAME|PATH",
+                        help="training engine the plan is priced for: a shipped name (see `autoplan engines`) "
+                             "or an engine YAML file (default: autoplan's own executor)")
 
 
 # SearchOptions field -> its `autoplan plan` flag: one flag per field, nothing else (a test checks it)
@@ -58,9 +72,9 @@ SEARCH_FLAGS = {
     "global_batch": "--global-batch", "top_k": "--top-k", "tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp",
     "ep": "--ep", "microbatch": "--microbatch", "zero": "--zero", "sp": "--sp", "schedules": "--schedules",
     "recompute": "--recompute", "max_virtual_stages": "--max-virtual-stages", "max_tp": "--max-tp",
-    "use_ilp": "--no-ilp", "progress": "--quiet",
+    "use_ilp": "--no-ilp", "progress": "--quiet", "etp": "--etp", "eep": "--eep", "fold_experts": "--no-fold",
 }
-_LIST_FLAGS = ("tp", "pp", "dp", "cp", "ep", "microbatch", "zero", "sp", "schedules", "recompute")
+_LIST_FLAGS = ("tp", "pp", "dp", "cp", "ep", "microbatch", "zero", "sp", "schedules", "recompute", "etp", "eep")
 
 
 def _add_search_flags(parser: argparse.ArgumentParser) -> None:
@@ -81,6 +95,12 @@ def _add_search_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--no-ilp", dest="use_ilp", action="store_false", default=None,
                    help="skip the per-layer recompute and stage split refinement (ILP)")
     g.add_argument("--quiet", dest="progress", action="store_false", default=True, help="no progress line on stderr")
+    g.add_argument("--etp", default=None, metavar="N[,N]", help="expert tensor-parallel degree(s) of folded MoE "
+                   "layouts (default 1, what `autoplan run` executes)")
+    g.add_argument("--eep", default=None, metavar="N[,N]", help="expert-parallel degree(s) of folded MoE layouts "
+                   "(default: every divisor of the experts)")
+    g.add_argument("--no-fold", dest="fold_experts", action="store_false", default=None,
+                   help="no folded MoE layouts: experts only on the dense mesh's ep axis")
 
 
 def _split_list(flag: str, text: str, convert: Any) -> tuple[Any, ...]:
@@ -141,6 +161,8 @@ def register(subparsers: Any) -> None:
     m.set_defaults(func=cmd_models)
     c = subparsers.add_parser("clusters", help="list the cluster profiles")
     c.set_defaults(func=cmd_clusters)
+    g = subparsers.add_parser("engines", help="list the shipped training engines")
+    g.set_defaults(func=cmd_engines)
 
 
 def _cluster(args: argparse.Namespace) -> Any:
@@ -152,6 +174,13 @@ def _cluster(args: argparse.Namespace) -> Any:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     extra = {"devices_per_node": args.devices_per_node} if args.devices_per_node else {}
     return load_cluster(args.cluster, num_nodes=args.nodes, **extra)
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    """The --engine flag as an Engine (ValueError, one line, for an unknown name or a bad file)."""
+    from autoplan.plan.engine import as_engine
+
+    return as_engine(getattr(args, "engine", None))
 
 
 def _print(renderable: Any) -> None:
@@ -178,7 +207,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _check_outputs(args)
     options = search_options(args)
     cluster = _cluster(args)
-    plans = autoplan(args.model, cluster, seq_len=args.seq_len, **options)
+    plans = autoplan(args.model, cluster, seq_len=args.seq_len, engine=_engine(args), **options)
     _print(plans.table())
     print(plans[0].explain())
     _write_outputs(args, plans)
@@ -212,9 +241,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     cluster = _cluster(args)
     config = config_from_args(args, cluster.num_devices)
-    est = estimate(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
-    print(f"{args.model} on {cluster.num_devices} x {cluster.device.name}, global batch {args.global_batch}, "
-          f"seq {args.seq_len}")
+    est = estimate(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len,
+                   engine=_engine(args))
+    devices = (" + ".join(f"{g.num_devices} x {g.spec.device.name}" for g in cluster.groups) if cluster.groups
+               else f"{cluster.num_devices} x {cluster.device.name}")
+    print(f"{args.model} on {devices}, global batch {args.global_batch}, seq {args.seq_len}")
     print("config: " + ", ".join(f"{k}={v}" for k, v in config.to_dict().items()))
     print(f"step {est.step_time_s:.4f} s, {est.tokens_per_s:,.0f} tokens/s, MFU {est.mfu:.1%}, "
           f"memory {est.peak_mem_bytes / _GIB:.1f} of {est.mem_capacity_bytes / _GIB:.0f} GiB per device"
@@ -243,6 +274,21 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 
     for name in Cluster.names():
         c = Cluster.load(name)
+        if c.groups:  # heterogeneous: its node groups, in rank order
+            print(f"{name:<16} " + " + ".join(f"{g.spec.num_nodes} x {g.name}" for g in c.groups)
+                  + f", {c.inter_group.name} between groups")
+            continue
         print(f"{name:<16} {c.device.name:<18} {c.devices_per_node} per node, {c.device.mem_bytes / _GIB:.0f} GiB, "
               f"{c.intra_node.name} / {c.inter_node.name}")
+    return 0
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    from autoplan.plan.engine import Engine
+
+    print(f"{'name':<14} {'attention':<9} {'zero3':<9} {'tp overlap':<10} {'dp overlap':<10} description")
+    for name in Engine.names():
+        e = Engine.load(name)
+        print(f"{name:<14} {e.attention:<9} {e.zero3:<9} {str(e.tp_comm_overlap).lower():<10} "
+              f"{str(e.dp_comm_overlap).lower():<10} {e.description}")
     return 0

@@ -111,6 +111,16 @@ def _context_parallel(spec: ModelSpec, meta: nn.Module, config: ParallelConfig, 
 
 
 def _experts(spec: ModelSpec, meta: nn.Module, config: ParallelConfig, seq_len: int) -> str | None:
+    if config.folded:  # MoE folding (execute.experts): autoplan's presets, etp = 1
+        from autoplan.execute.experts import check_expert_layout
+
+        try:
+            check_expert_layout(config)
+        except ValueError as exc:
+            return str(exc)
+        if not spec.is_preset:
+            return (f"etp={config.expert_tp}, eep={config.expert_ep}: folded expert layouts run on autoplan's presets "
+                    f"only; for {spec.name} leave etp / eep unset (experts on the ep axis)")
     if config.ep == 1 or spec.is_preset:
         return None
     from autoplan.execute.experts import is_hf_experts

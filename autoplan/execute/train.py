@@ -37,10 +37,11 @@ from autoplan.execute.data import (  # noqa: F401 - the data functions' home was
     sample_windows,
     step_generator,
 )
+from autoplan.execute.experts import check_expert_layout
 from autoplan.execute.fsdp import prepare_microbatch
 from autoplan.execute.generic import build_generic_parts
 from autoplan.execute.images import image_batch, local_rows
-from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
+from autoplan.execute.mesh import SubMeshes, build_expert_mesh, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
     SCALE_GRADS,
     build_schedule,
@@ -152,12 +153,13 @@ def check_divides(model_config: TransformerConfig, config: ParallelConfig, optio
 
 def _setup(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
     config = config_of(plan)
+    check_expert_layout(config)
     generic = isinstance(model_name, ModelSpec) and not model_name.is_preset
     if not generic:  # other models: execute.preflight checked them in the parent, with their roles
         model_name = getattr(model_name, "name", model_name)
         check_divides(preset_config(model_name), config, options)
     mesh = build_mesh(config, device_type=device.type)
-    meshes = sub_meshes(mesh)
+    meshes = sub_meshes(mesh, build_expert_mesh(config, device_type=device.type))
     num_microbatches = config.num_microbatches(options.global_batch)  # raises when the batch does not divide
     layout = zero_layout(config, num_microbatches)  # what the cost model priced
     if generic:  # any other model: execute.generic

@@ -18,6 +18,8 @@ def describe_config(plan: Plan) -> str:
              f"zero={c.zero}", f"microbatch={c.microbatch}", f"schedule={c.schedule.value}"]
     if c.virtual_stages > 1:
         parts.append(f"virtual_stages={c.virtual_stages}")
+    if c.folded:  # MoE parallel folding: the experts' own degrees over the same devices
+        parts.append(f"experts folded: eep={c.expert_ep}, etp={c.expert_tp}, edp={c.expert_dp}")
     parts.append(f"recompute={c.recompute.value}" + (f" ({len(plan.layer_recompute)} layers differ)"
                                                      if plan.layer_recompute else ""))
     return ", ".join(parts)

@@ -101,6 +101,17 @@ def _engine_note(plan: Plan, engine: str) -> list[str]:
              f"plan again with --engine {engine} before training it on {engine}")]
 
 
+def _group_note(plan: Plan) -> list[str]:
+    """A plan for node groups of different kinds: no engine is told which node is which kind; the stage
+    sizes are right only when the nodes are launched group after group, as the plan numbers its ranks."""
+    groups = list(dict.fromkeys(s.group for s in plan.stages if s.group))
+    if not groups:
+        return []
+    note = (f"the stages are sized for node groups {', '.join(groups)} (ranks numbered group after group): no "
+            f"engine option says which node is which; launch the nodes in that order (node rank 0 first)")
+    return [note]
+
+
 def export_plan(plan: Plan, engine: str) -> Export:
     """The plan for `engine` (one of ENGINES): value, file text and notes."""
     name = str(engine).lower()
@@ -109,17 +120,18 @@ def export_plan(plan: Plan, engine: str) -> Export:
     split = stage_split(plan)
     modes = block_modes(plan, split)
     header = _header(plan, name)
+    groups = _group_note(plan)
     if name == "megatron":
         args, notes = engines.megatron(plan, split, modes)
-        notes = _engine_note(plan, name) + notes
+        notes = _engine_note(plan, name) + groups + notes
         return Export(name, args, _bash_array(header, notes, args), tuple(notes))
     if name == "torchtitan":
         sections, notes = engines.torchtitan(plan, split, modes)
-        notes = _engine_note(plan, name) + notes
+        notes = _engine_note(plan, name) + groups + notes
         text = _toml(header, notes, sections)
         return Export(name, text, text, tuple(notes))
     config, notes = engines.deepspeed(plan, split, modes)
-    notes = _engine_note(plan, name) + notes
+    notes = _engine_note(plan, name) + groups + notes
     return Export(name, config, json.dumps(config, indent=2) + "\n", tuple(notes))
 
 

@@ -7,6 +7,13 @@ world / (tp * pp * cp) = dp * ep and splits experts over ep (with expert tp = tp
 torchtitan's data-parallel degrees (replicate * shard) are dp * ep, ep borrowed from them; DeepSpeed's
 batch identity train_batch_size = micro batch * accumulation steps * data-parallel world holds with a
 data-parallel world of dp * ep.
+
+Expert layouts: Megatron-Core and torchtitan place experts on a mesh of their own over the same ranks
+(Megatron's expert RankGenerator, torchtitan's sparse mesh [pp, dp_replicate, efsdp, ep, etp]), etp
+innermost and ep next: autoplan's folded layout (etp, eep) is theirs exactly, written as
+--expert-model-parallel-size eep --expert-tensor-parallel-size etp (expert_parallel_degree,
+expert_tensor_parallel_degree). An unfolded plan's experts sit on the dense mesh's ep axis, outside cp:
+the same as their expert mesh with etp = tp unless cp > 1 (a note then).
 """
 
 from __future__ import annotations
@@ -51,17 +58,31 @@ def megatron(plan: Plan, split: Split | None, modes: Modes) -> tuple[list[str], 
     """Megatron-LM flags: degrees, sequence parallelism, batch, ZeRO, pipeline schedule and split, recompute."""
     c, notes = plan.config, []
     args = ["--tensor-model-parallel-size", str(c.tp), "--pipeline-model-parallel-size", str(c.pp),
-            "--context-parallel-size", str(c.cp), "--expert-model-parallel-size", str(c.ep),
+            "--context-parallel-size", str(c.cp), "--expert-model-parallel-size", str(c.expert_ep),
             "--micro-batch-size", str(c.microbatch), "--global-batch-size", str(plan.global_batch),
             "--seq-length", str(plan.seq_len), "--bf16"]
     if c.sp:
         args.append("--sequence-parallel")
+    if c.expert_ep > 1 or c.folded:
+        # megatron/core/model_parallel_config.py expert_tensor_parallel_size (None: tensor_model_parallel_size)
+        args += ["--expert-tensor-parallel-size", str(c.expert_tp)]
+        notes += _expert_mesh_note(c, "Megatron-Core")
     if split is not None:
         args += ["--num-layers", str(split.num_blocks)]
     args += _MEGATRON_ZERO[c.zero]
     args += _megatron_pipeline(plan, split, notes)
     args += _megatron_recompute(modes, notes)
     return args, notes
+
+
+def _expert_mesh_note(c: Any, engine: str) -> list[str]:
+    """An unfolded plan with ep and cp: the engine's expert mesh puts ep inside cp, autoplan's ep axis
+    lies outside it (the same degrees, other groups)."""
+    if c.folded or c.ep == 1 or c.cp == 1:
+        return []
+    return [(f"ep={c.ep} with cp={c.cp}: {engine} forms expert-parallel groups of ranks tp apart (its expert mesh, "
+             f"inside the cp group); the plan's ep axis is cp*tp apart. The same degrees run on other groups: "
+             f"plan with folded experts (etp={c.tp}, eep={c.ep}) to price {engine}'s layout")]
 
 
 def _megatron_pipeline(plan: Plan, split: Split | None, notes: list[str]) -> list[str]:
@@ -141,9 +162,13 @@ def torchtitan(plan: Plan, split: Split | None, modes: Modes) -> tuple[dict[str,
                 "global_batch_size": plan.global_batch, "seq_len": plan.seq_len}
     par: dict[str, Any] = {**_titan_data_parallel(plan, notes), "tensor_parallel_degree": c.tp,
                            "context_parallel_degree": c.cp, "pipeline_parallel_degree": c.pp,
-                           "expert_parallel_degree": c.ep}
-    if c.ep > 1:
-        par["expert_tensor_parallel_degree"] = c.tp  # autoplan splits routed experts over tp too (ETP = TP)
+                           "expert_parallel_degree": c.expert_ep}
+    if c.expert_ep > 1:
+        par["expert_tensor_parallel_degree"] = c.expert_tp  # unfolded: ETP = TP, as autoplan prices it
+        notes += _expert_mesh_note(c, "torchtitan")
+        if c.expert_tp not in (1, c.tp):
+            notes.append(f"etp={c.expert_tp}: torchtitan supports expert tensor parallelism of 1 or tp={c.tp} only "
+                         f"(ParallelDims: 'Currently we only support ETP=TP or ETP=1')")
     if c.tp > 1 and not c.sp:
         notes.append("sequence parallelism off: torchtitan's tensor parallelism always shards the norms over the "
                      "sequence (SequenceParallel in apply_tp), so it runs with sp on (less activation memory)")
@@ -254,8 +279,11 @@ def deepspeed(plan: Plan, split: Split | None, modes: Modes) -> tuple[dict[str, 
     if c.cp > 1:
         notes.append(f"cp={c.cp}: DeepSpeed's sequence parallelism (Ulysses) is set in the model code and "
                      f"exchanges heads by all-to-all, not the ring context parallelism priced here")
-    if c.ep > 1:
-        notes.append(f"ep={c.ep}: set in the model code, deepspeed.moe.layer.MoE(..., ep_size={c.ep})")
+    if c.expert_ep > 1:
+        notes.append(f"ep={c.expert_ep}: set in the model code, deepspeed.moe.layer.MoE(..., ep_size={c.expert_ep})")
+    if c.folded:
+        notes.append(f"folded experts (etp={c.expert_tp}, eep={c.expert_ep}): DeepSpeed-MoE forms its expert-parallel "
+                     f"groups from data-parallel ranks only (deepspeed/utils/groups.py), not from tp or cp ranks")
     if c.pp > 1:
         config["pipeline"] = _ds_pipeline(plan, split, modes, notes)
     elif _count(modes, _SEL, _FULL):

@@ -13,12 +13,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from autoplan.plan.engine import Engine
 from autoplan.plan.types import Estimate, ParallelConfig, Plan, Stage
 
 SCHEMA_VERSION = 1
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    out = _plan_dict(plan)
+    if plan.engine is not None:  # additive key: plans without an engine serialise as before
+        out["engine"] = plan.engine.to_dict()
+    return out
+
+
+def _plan_dict(plan: Plan) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
         "model_name": plan.model_name,
@@ -28,7 +36,8 @@ def plan_to_dict(plan: Plan) -> dict[str, Any]:
         "seq_len": plan.seq_len,
         "rank": plan.rank,
         "config": plan.config.to_dict(),
-        "stages": [{"index": s.index, "layer_names": list(s.layer_names)} for s in plan.stages],
+        "stages": [{"index": s.index, "layer_names": list(s.layer_names), **({"group": s.group} if s.group else {})}
+                   for s in plan.stages],
         "layer_recompute": [[name, mode.value] for name, mode in plan.layer_recompute],
         "estimate": plan.estimate.to_dict(),
         "notes": list(plan.notes),
@@ -53,10 +62,12 @@ def plan_from_dict(data: dict[str, Any]) -> Plan:
             num_devices=data["num_devices"],
             global_batch=data["global_batch"],
             seq_len=data["seq_len"],
-            stages=tuple(Stage(index=s["index"], layer_names=tuple(s["layer_names"])) for s in data.get("stages", ())),
+            stages=tuple(Stage(index=s["index"], layer_names=tuple(s["layer_names"]), group=s.get("group", ""))
+                         for s in data.get("stages", ())),
             layer_recompute=tuple((n, r) for n, r in data.get("layer_recompute", ())),
             rank=data.get("rank", 0),
             notes=tuple(data.get("notes", ())),
+            engine=Engine.from_dict(data["engine"]) if data.get("engine") is not None else None,
             folded=tuple(data.get("folded", ())),
             sample_shape=tuple(data.get("sample_shape", ())),
             fingerprint=str(data.get("fingerprint", "")),

@@ -15,7 +15,8 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute, Stage
+from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute
+from autoplan.search.hetero import group_notes, plan_stages
 from autoplan.search.notes import nothing_fits_message, plan_notes
 from autoplan.search.refine import refine
 from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space, token_free_restriction
@@ -71,7 +72,8 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost, folded=folded)
              for i, (cand, folded) in enumerate(ranked)]
     return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost)
-                         + ((restricted,) if restricted else ())) for p, (cand, _) in zip(plans, ranked))
+                         + group_notes(p, graph, cluster) + ((restricted,) if restricted else ()))
+                 for p, (cand, _) in zip(plans, ranked))
 
 
 def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, status) -> list[Candidate]:
@@ -147,10 +149,11 @@ def _dedupe(found: list[Candidate]) -> list[Candidate]:
 
 def _to_plan(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, cand: Candidate, *, rank: int,
              cost: Any, folded: tuple[str, ...] = ()) -> Plan:
-    stages = cand.stages or tuple(cost.balanced_stages(graph, cand.config))
+    # the split that was priced, with each stage's node group (search/hetero.py)
+    stages = plan_stages(graph, cluster, cand.config, cand.stages, cost, options.global_batch)
     return Plan(config=cand.config, estimate=cand.estimate, model_name=graph.model_name, cluster_name=cluster.name,
                 num_devices=cluster.num_devices, global_batch=options.global_batch, seq_len=graph.seq_len,
-                stages=tuple(Stage(index=i, layer_names=tuple(s)) for i, s in enumerate(stages)),
+                stages=stages,
                 layer_recompute=cand.layer_recompute, rank=rank, folded=folded,
                 sample_shape=() if graph.vocab_size else getattr(graph, "input_shape", ()))
 

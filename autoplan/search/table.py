@@ -22,7 +22,7 @@ HEADERS = ("#", "tp", "pp", "dp", "cp", "ep", "sp", "ZeRO", "micro-batch", "sche
            "tokens/s", "MFU", "GiB/device", "time goes to")
 LEGEND = (
     "tp pp dp cp ep: tensor, pipeline, data, context and expert parallel degrees (their product is the device "
-    "count). sp: sequence parallelism over the tp group. ZeRO: 0 replicated, 1 optimizer states sharded over "
+    "count); ep 'N (E x T)': MoE folding, the experts on E ranks split over T, over the same devices. sp: sequence parallelism over the tp group. ZeRO: 0 replicated, 1 optimizer states sharded over "
     "the data-parallel group, 2 also gradients, 3 also weights. micro-batch: samples (sequences) per "
     "microbatch per replica. schedule: pipeline schedule, (vN) N model chunks per pipeline rank; - without a pipeline. "
     "recompute: activation recomputation of every block (selective: the attention core only; full: the whole "
@@ -83,7 +83,8 @@ def plans_table(plans: Sequence[Plan]) -> Any:
     for p in plans:
         c, e = p.config, p.estimate
         rank = f"{p.rank}" + (f" (+{len(p.folded)})" if p.folded else "")
-        table.add_row(rank, str(c.tp), str(c.pp), str(c.dp), str(c.cp), str(c.ep), "on" if c.sp else "off",
+        ep = f"{c.ep} ({c.expert_ep}x{c.expert_tp})" if c.folded else str(c.ep)
+        table.add_row(rank, str(c.tp), str(c.pp), str(c.dp), str(c.cp), ep, "on" if c.sp else "off",
                       str(c.zero), str(c.microbatch), schedule_label(p), recompute_label(p), seconds(e.step_time_s),
                       throughput(p), f"{e.mfu:.1%}", f"{e.peak_mem_bytes / GIB:.1f}", causes_label(p))
     return table
@@ -91,7 +92,7 @@ def plans_table(plans: Sequence[Plan]) -> Any:
 
 CSV_FIELDS = ("rank", "tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages",
               "recompute", "layer_recompute", "step_time_s", "tokens_per_s", "samples_per_s", "mfu", "peak_mem_gib",
-              "mem_capacity_gib", "fits", "sample_shape", "folded")
+              "mem_capacity_gib", "fits", "sample_shape", "folded", "etp", "eep")
 
 
 def plans_csv(plans: Sequence[Plan]) -> str:
@@ -105,7 +106,8 @@ def plans_csv(plans: Sequence[Plan]) -> str:
         row = {**p.config.to_dict(), "rank": p.rank, "layer_recompute": recompute_label(p) if p.layer_recompute else "",
                "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s, "samples_per_s": p.samples_per_s,
                "mfu": e.mfu, "peak_mem_gib": e.peak_mem_bytes / GIB, "mem_capacity_gib": e.mem_capacity_bytes / GIB,
-               "fits": e.fits, "sample_shape": "x".join(map(str, p.sample_shape)), "folded": "; ".join(p.folded)}
+               "fits": e.fits, "sample_shape": "x".join(map(str, p.sample_shape)), "folded": "; ".join(p.folded),
+               "etp": p.config.expert_tp, "eep": p.config.expert_ep}  # the experts' degrees, folded or not
         row.update({f"{k}_s": v for k, v in e.breakdown.items()})
         writer.writerow(row)
     return out.getvalue()

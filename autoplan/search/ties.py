@@ -29,7 +29,10 @@ def same_prediction(a: Any, b: Any) -> bool:
 def differences(a: Any, b: Any) -> str:
     """How candidate b differs from a: the config keys with b's values, then the layout."""
     ca, cb = a.config.to_dict(), b.config.to_dict()
-    parts = [f"{k}={_value(v)}" for k, v in cb.items() if ca[k] != v]
+    parts = [f"{k}={_value(v)}" for k, v in cb.items() if k not in ("etp", "eep") and ca[k] != v]
+    layout = (b.config.folded, b.config.expert_tp, b.config.expert_ep)  # MoE folding (search/folding.py)
+    if layout != (a.config.folded, a.config.expert_tp, a.config.expert_ep):
+        parts.append(f"etp={layout[1]} eep={layout[2]}" if layout[0] else "experts on the ep axis")
     if getattr(a, "stages", ()) != getattr(b, "stages", ()):
         parts.append("another stage split")
     if dict(getattr(a, "layer_recompute", ())) != dict(getattr(b, "layer_recompute", ())):

@@ -72,6 +72,8 @@ CASES = {
     "moe-selective": (make_plan((8,), tp=2, ep=4, dp=2, zero=3, recompute="selective"),
                       {"megatron": 0, "torchtitan": 2, "deepspeed": 3}),
     "ddp-only": (make_plan((6,), dp=8), {"megatron": 0, "torchtitan": 0, "deepspeed": 0}),
+    "moe-folded": (make_plan((4, 4), pp=2, tp=2, dp=4, etp=1, eep=8, sp=True, zero=1),
+                   {"megatron": 0, "torchtitan": 1, "deepspeed": 3}),
     "mixed-recompute": (make_plan((4, 4), "fsnnsnnf", pp=2, dp=4, zero=1),
                         {"megatron": 1, "torchtitan": 2, "deepspeed": 1}),
 }
@@ -95,7 +97,9 @@ def test_megatron_flags_parse_back_to_the_plan(case: str) -> None:
     args, rest = MEG.build_parser().parse_known_args(out.value)
     assert rest == []
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size,
-            args.expert_model_parallel_size, args.sequence_parallel) == (c.tp, c.pp, c.cp, c.ep, c.sp)
+            args.expert_model_parallel_size, args.sequence_parallel) == (c.tp, c.pp, c.cp, c.expert_ep, c.sp)
+    # Megatron-Core resolves an unset expert tp to tp (model_parallel_config.py __post_init__)
+    assert (args.expert_tensor_parallel_size or args.tensor_model_parallel_size) == c.expert_tp
     assert (args.micro_batch_size, args.global_batch_size, args.seq_length) == (c.microbatch, 64, 1024)
     # Megatron's data-parallel size is world / (tp pp cp); its microbatches per step follow
     dp = c.num_devices // (c.tp * c.pp * c.cp)
@@ -133,11 +137,11 @@ def test_torchtitan_toml_loads_into_its_config_and_matches(case: str) -> None:
     p, t = job.parallelism, job.training
     shard = TITAN.validate_dims(p, c.num_devices)
     assert (p.tensor_parallel_degree, p.pipeline_parallel_degree, p.context_parallel_degree,
-            p.expert_parallel_degree) == (c.tp, c.pp, c.cp, c.ep)
+            p.expert_parallel_degree) == (c.tp, c.pp, c.cp, c.expert_ep)
     batch_degree = p.data_parallel_replicate_degree * shard
     assert batch_degree == c.dp * c.ep and t.seq_len == 1024
-    if c.ep > 1:
-        assert p.expert_tensor_parallel_degree == c.tp
+    if c.expert_ep > 1:
+        assert p.expert_tensor_parallel_degree == c.expert_tp
     n_mb = c.num_microbatches(64)
     assert TITAN.gradient_accumulation_steps(t, batch_degree) * (t.local_batch_size // c.microbatch) == n_mb
     if c.zero == 3:
