@@ -2,7 +2,10 @@
 the API.
 
 `autoplan plan` takes one flag per SearchOptions field (SEARCH_FLAGS) and writes the outputs a user asks
-for: --json (every ranked plan), --csv, --pareto (PNG) and --export ENGINE FILE (the best plan).
+for: --json (every ranked plan), --csv, --pareto (PNG) and --export ENGINE FILE (the best plan). A model
+with components (a vision tower + projector + language model: tiny-llava, llava-1.5-7b, tiny-policy) is
+planned with autoplan.plan_components (cli/plan_components.py): one device group per component, the
+same search flags applied to every group; --chain plans it as one chain instead.
 
 `add_config_flags(parser)` / `config_from_args(args, num_devices)` define the ParallelConfig flags once,
 for `estimate` here and for `autoplan run`.
@@ -146,6 +149,9 @@ def register(subparsers: Any) -> None:
     out.add_argument("--export", nargs=2, action="append", metavar=("ENGINE", "FILE"), default=None,
                      help=f"write the best plan for an engine ({'|'.join(ENGINES)}): Megatron-LM flags as a bash "
                      "array, a torchtitan TOML, a DeepSpeed JSON; repeatable")
+    from autoplan.cli.plan_components import add_component_flags
+
+    add_component_flags(p)
     p.set_defaults(func=cmd_plan)
     e = subparsers.add_parser("estimate", help="predict one configuration, with its breakdown")
     _add_job_flags(e)
@@ -193,8 +199,11 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    from autoplan.cli.plan_components import cmd_plan_components, plans_components
     from autoplan.search.api import autoplan
 
+    if plans_components(args):
+        return cmd_plan_components(args, search_options(args), _cluster(args))
     _check_outputs(args)
     options = search_options(args)
     cluster = _cluster(args)

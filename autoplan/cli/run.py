@@ -1,5 +1,7 @@
 """`autoplan run`: train a model under a plan (a plan JSON, or the configuration flags of `autoplan
-estimate`) on torchrun-launched ranks, and write the run report.
+estimate`) on torchrun-launched ranks, and write the run report. A component plan (`autoplan plan --json`
+of a model with components) runs through autoplan.execute_components after the same kind of checks
+(execute/component_preflight.py); the flags that only a chain run takes are refused in one line.
 """
 
 from __future__ import annotations
@@ -80,6 +82,60 @@ def _predicted_plan(args: argparse.Namespace, config: Any, nnodes: int) -> Any:
                     engine=getattr(args, "engine", None))
 
 
+def _is_component_plan(path: str) -> bool:
+    from pathlib import Path
+
+    from autoplan.plan.components import KIND
+
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False  # the chain path reports it in its own words
+    return isinstance(data, dict) and data.get("kind") == KIND
+
+
+# flags a component run does not take: (attribute, flag, why)
+_CHAIN_ONLY = (("data", "--data", "component runs draw their own inputs (images and tokens)"),
+               ("weights", "--weights", "component runs start from the seeded initialisation"),
+               ("resume", "--resume", "component runs do not checkpoint"),
+               ("checkpoint_dir", "--checkpoint-dir", "component runs do not checkpoint"),
+               ("cluster", "--cluster", "a component plan carries its own prediction"))
+
+
+def _check_component_flags(args: argparse.Namespace, plan) -> None:
+    for name, flag, why in _CHAIN_ONLY:
+        if getattr(args, name, None):
+            raise ValueError(f"{flag}: {why}; drop it to run the component plan")
+    if args.save_every:
+        raise ValueError("--save-every: component runs do not checkpoint; drop it to run the component plan")
+    if any(getattr(args, n) is not None for n in _LAUNCHER_FLAGS):
+        raise ValueError("component plans run on the local ranks of one node: drop the multi-node flags")
+    for name, value, planned in (("--global-batch", args.global_batch, plan.global_batch),
+                                 ("--seq-len", args.seq_len, plan.seq_len)):
+        if value is not None and value != planned:
+            raise ValueError(f"{name} {value} differs from the component plan's {planned}: the groups' strategies "
+                             f"were made for it; plan again to change it")
+
+
+def _run_components(args: argparse.Namespace) -> int:
+    from autoplan.execute.component_preflight import component_preflight
+    from autoplan.execute.component_worker import execute_components
+    from autoplan.execute.launch import RunFailed
+    from autoplan.plan.components import load_component_plan
+
+    plan = load_component_plan(args.plan)
+    _check_component_flags(args, plan)
+    component_preflight(plan, args.model, steps=args.steps, nproc_per_node=args.nproc_per_node)
+    try:
+        report = execute_components(plan, args.model, steps=args.steps, seed=args.seed, report=args.report,
+                                    timeout_s=args.timeout_s)
+    except RunFailed as exc:
+        print(f"autoplan run: FAILED: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps({k: report.get(k) for k in ("losses", "step_time_s", "predicted_step_time_s")}))
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from autoplan.execute.launch import RunFailed, execute, resolve_model
     from autoplan.execute.preflight import check_run_flags, preflight
@@ -88,6 +144,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                     resume=args.resume, data=args.data)
     if args.plan and _config_given(args):
         raise ValueError("give either --plan or configuration flags (--tp, --pp, ...), not both")
+    if args.plan and _is_component_plan(args.plan):
+        return _run_components(args)
     if args.plan:
         plan: Any = args.plan
     else:
@@ -97,7 +155,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise ValueError("without --plan, give --global-batch and --seq-len")
         config = config_from_args(args, devices)
         # every check before the prediction, which captures the model (seconds for a large one)
-        spec, meta = resolve_model(args.model, weights=args.weights)
+        spec, meta = resolve_model(args.model, weights=args.weights, seq_len=args.seq_len)
         preflight(config, spec, meta, global_batch=args.global_batch, seq_len=args.seq_len,
                   nproc_per_node=args.nproc_per_node, nnodes=nnodes, data=args.data)
         plan = _predicted_plan(args, config, nnodes)

@@ -41,6 +41,12 @@ def register(subparsers: Any) -> None:
     for name in ("tp", "pp", "ep", "replicas", "max-batch"):
         p.add_argument(f"--{name}", dest=name.replace("-", "_"), type=int, nargs="+", default=None, metavar="N",
                        help=f"restrict the search to these {name} values")
+    p.add_argument("--images-per-request", dest="images_per_request", type=int, default=None, metavar="N",
+                   help="a model with an encoder (tiny-llava, llava-1.5-7b): images each request sends (default 1)")
+    for name in ("encoder-tp", "encoder-replicas"):
+        p.add_argument(f"--{name}", dest=name.replace("-", "_"), type=int, nargs="+", default=None, metavar="N",
+                       help=f"restrict the search to these {name} values (encoder-replicas 0: the encoder runs "
+                            f"on the prefill devices)")
     split = p.add_mutually_exclusive_group()
     split.add_argument("--aggregated-only", dest="disaggregated", action="store_false", default=None)
     split.add_argument("--disaggregated-only", dest="disaggregated", action="store_true")
@@ -55,7 +61,7 @@ def register(subparsers: Any) -> None:
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"num_nodes": args.nodes}
     for name in ("devices_per_node", "dtype", "kv_dtype", "tp", "pp", "ep", "replicas", "max_batch", "disaggregated",
-                 "burstiness", "simulate"):
+                 "burstiness", "simulate", "images_per_request", "encoder_tp", "encoder_replicas"):
         value = getattr(args, name)
         if value is not None:
             out[name] = tuple(value) if isinstance(value, list) else value
@@ -67,6 +73,11 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
+    if args.images_per_request is not None and args.images_per_request < 0:
+        raise ValueError(f"--images-per-request must be 0 or more, got {args.images_per_request}")
+    if args.run and (args.images_per_request or args.encoder_tp or args.encoder_replicas):
+        raise ValueError("--run times a language model's decode loop: it has no encoder stage (drop --run or the "
+                         "encoder flags)")
     if args.burstiness is not None and not args.burstiness > 0:
         raise ValueError(f"--burstiness must be a positive number (1 = Poisson), got {args.burstiness}")
     if args.burstiness is not None and args.rate is None:

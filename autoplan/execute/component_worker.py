@@ -48,12 +48,13 @@ def execute_components(plan: ComponentPlan | str | Path, model: str, *, steps: i
                        report: str | Path | None = None, timeout_s: float = 300.0, env: dict | None = None) -> dict:
     """Train `model` under a ComponentPlan (or its JSON path) on plan.num_devices local torchrun ranks;
     returns the report (losses, step times, the prediction). Raises ValueError before launching for a plan
-    this executor does not run, RunFailed when a rank fails."""
-    from autoplan.execute.components import check_executable
+    this executor does not run or a model it was not made for (execute.component_preflight), RunFailed
+    when a rank fails."""
+    from autoplan.execute.component_preflight import component_preflight
     from autoplan.execute.launch import run_torchrun, torchrun_command
 
     plan = plan if isinstance(plan, ComponentPlan) else load_component_plan(plan)
-    check_executable(plan)
+    component_preflight(plan, model, steps=steps)
     with tempfile.TemporaryDirectory(prefix="autoplan-components-") as run_dir:
         plan_path, report_path = os.path.join(run_dir, "plan.json"), str(report or os.path.join(run_dir, "r.json"))
         save_component_plan(plan, plan_path)

@@ -153,18 +153,19 @@ def launcher_nnodes(launcher_args: Sequence[str]) -> int | None:
     return 1
 
 
-_RESOLVED: dict[tuple[str, str | None], tuple[Any, Any]] = {}
+_RESOLVED: dict[tuple[str, str | None, int], tuple[Any, Any]] = {}
 
 
-def resolve_model(model: Any, *, weights: str | Path | None = None) -> tuple[Any, Any]:
-    """(ModelSpec the ranks build from, the model on the meta device for the checks); names are resolved once."""
+def resolve_model(model: Any, *, weights: str | Path | None = None, seq_len: int = 16) -> tuple[Any, Any]:
+    """(ModelSpec the ranks build from, the model on the meta device for the checks); names are resolved once.
+    `seq_len`: the run's, which a model without tokens is traced at (source.model_spec)."""
     from autoplan.execute.source import model_spec
 
     if not isinstance(model, str):
-        return model_spec(model, weights=str(weights) if weights else None)
-    key = (model, str(weights) if weights else None)
+        return model_spec(model, weights=str(weights) if weights else None, seq_len=seq_len)
+    key = (model, str(weights) if weights else None, seq_len)
     if key not in _RESOLVED:
-        _RESOLVED[key] = model_spec(model, weights=key[1])
+        _RESOLVED[key] = model_spec(model, weights=key[1], seq_len=seq_len)
     return _RESOLVED[key]
 
 
@@ -223,7 +224,7 @@ def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: Any, *, s
             global_batch, seq_len = global_batch or plan.global_batch, seq_len or plan.seq_len
         if not global_batch or not seq_len:
             raise ValueError("give global_batch and seq_len (--global-batch, --seq-len) with a bare configuration")
-    spec, meta = resolve_model(model, weights=weights)
+    spec, meta = resolve_model(model, weights=weights, seq_len=seq_len)
     config = plan.config if isinstance(plan, Plan) else plan
     preflight(plan, spec, meta, global_batch=global_batch, seq_len=seq_len, nproc_per_node=nproc_per_node,
               nnodes=launcher_nnodes(launcher_args) or 1, data=str(data) if data else None)

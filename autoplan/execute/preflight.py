@@ -229,6 +229,9 @@ def preflight(plan: Plan | ParallelConfig, spec: ModelSpec, meta: nn.Module, *, 
     if problem:
         raise ValueError(problem)
     check_memory(spec, meta, plan, global_batch=global_batch, ranks_here=nproc_per_node or config.num_devices)
+    if data is not None and spec.input_shape:
+        raise ValueError(f"--data {data}: a token file, but {spec.name} takes inputs of shape {spec.input_shape}, not "
+                         f"tokens: drop --data (it trains on seeded inputs and class labels)")
     if data is not None:
         from autoplan.execute.data import load_tokens
 

@@ -180,7 +180,9 @@ def _keep_blocks(part: nn.Module, roles: ModelRoles, blocks: tuple[str, ...]) ->
 
 def check_chain(model: nn.Module, roles: ModelRoles, example: torch.Tensor) -> str | None:
     """None when model(example) is the chain of chain_units (each unit called once, on the previous unit's
-    output alone, the last unit's output the model's); else why not, in one line. Runs on the meta device."""
+    output alone, the last unit's output the model's); else why not, in one line. Runs on the meta device, on a
+    copy whose buffers are moved there too (a BatchNorm's running statistics are real CPU tensors)."""
+    model = copy.deepcopy(model).to("meta")
     units = chain_units(roles)
     calls: dict[str, list[tuple[Any, Any]]] = {path: [] for path in units}
     handles = []

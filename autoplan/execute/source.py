@@ -3,7 +3,10 @@
 - a preset name: the reference Transformer, built whole on the CPU from the seed (apply.py's path);
 - "path/to/file.py:factory" or a Hugging Face `from_pretrained` directory: rebuilt on each rank from it;
 - an nn.Module from Python: its skeleton (parameters on the meta device, buffers kept) travels in the spec;
-  its weights, when it has real ones, are written once as safetensors (execute.weights) for the ranks to read.
+  its weights, when it has real ones, are written once as safetensors (execute.weights) for the ranks to read;
+- a vision preset name (autoplan.models.vision: vit-tiny, resnet-tiny, ...): rebuilt on each rank by name, like
+  a file.py:factory source. A model without tokens (its input a float tensor, e.g. images) records the shape of
+  one sample and its number of outputs (classes): the ranks train it on seeded images and class labels.
 Non-preset models are built with their parameters on the meta device and their buffers real (`params_on_meta`),
 so a rank allocates only its own shards (execute.weights.materialise). They carry `roles` (graph.roles, found
 once in the parent) and a `family` naming the stage runner (execute.runner).
@@ -44,6 +47,8 @@ class ModelSpec:
     weights: str | None = None
     init_std: float = INIT_STD
     base_prefix: str = ""  # Hugging Face base_model_prefix ("model", "transformer"): checkpoint key aliases
+    input_shape: tuple[int, ...] = ()  # one sample of a model without tokens (channels, height, width); ()
+    num_outputs: int = 0  # its outputs per sample (classes), the targets' range
 
     @property
     def is_preset(self) -> bool:
@@ -103,7 +108,11 @@ def params_on_meta() -> Iterator[None]:
 
 def load_meta(source: str) -> nn.Module:
     """The model of a "file.py:factory" or Hugging Face directory source, parameters on meta."""
+    from autoplan.models.vision import VISION_PRESETS
+
     with params_on_meta():
+        if source in VISION_PRESETS:
+            return VISION_PRESETS[source]()
         if is_file_spec(source):
             return call_factory(source)
         if is_hf_dir(source):
@@ -163,15 +172,20 @@ def check_importable(model: nn.Module) -> None:
 
 
 def model_spec(model: str | nn.Module, *, weights: str | None = None, seq_len: int = 16) -> tuple[ModelSpec, nn.Module]:
-    """(the spec the ranks build from, the model on the meta device for the checks before launch)."""
+    """(the spec the ranks build from, the model on the meta device for the checks before launch). `seq_len`:
+    what a model without tokens is traced at (its positions fix the patches); token models take at most 16."""
     from autoplan.models import PRESETS, preset
+    from autoplan.models.vision import VISION_PRESETS
 
     if isinstance(model, str) and model in PRESETS:
         if weights:
             raise ValueError(f"weights are read for your own models, not for the preset {model!r}")
         with meta_device():
             return ModelSpec(name=model, source=model), preset(model)
-    if isinstance(model, str):
+    if isinstance(model, str) and model in VISION_PRESETS:
+        meta = load_meta(model)
+        spec = ModelSpec(name=model, source=model)
+    elif isinstance(model, str):
         source = _absolute(model)
         meta = load_meta(source)
         if weights is None and is_hf_dir(source):
@@ -186,13 +200,29 @@ def model_spec(model: str | nn.Module, *, weights: str | None = None, seq_len: i
                          f"an nn.Module, got {type(model).__name__}")
     from autoplan.graph.roles import model_roles
 
-    roles = model_roles(meta, seq_len=seq_len)
+    tokens = any(isinstance(m, nn.Embedding) for m in meta.modules())
+    roles = model_roles(meta, seq_len=min(seq_len, 16) if tokens else seq_len)
     config = getattr(meta, "config", None)
     std = getattr(config, "initializer_range", None)
     spec = replace(spec, family=family_of(meta, roles), roles=roles, weights=str(weights) if weights else None,
                    init_std=float(std) if isinstance(std, (int, float)) else INIT_STD,
                    base_prefix=getattr(meta, "base_model_prefix", "") or "")
-    return spec, meta
+    return (spec if tokens else replace(spec, **_sample_io(meta, seq_len))), meta
+
+
+def _sample_io(meta: nn.Module, seq_len: int) -> dict[str, Any]:
+    """input_shape and num_outputs of a model without tokens: the input capture traces it with (graph.capture:
+    seq_len patches of its first convolution) and the last dimension of its output, on a meta copy."""
+    from autoplan.execute.runner import logits_of
+    from autoplan.graph.capture import _inputs
+
+    args, kwargs = _inputs(meta, seq_len, 1, None)
+    image = args[0] if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() else None
+    if image is None or kwargs:
+        return {}
+    with torch.device("meta"):
+        out = logits_of(copy.deepcopy(meta).to("meta")(image))
+    return {"input_shape": tuple(image.shape[1:]), "num_outputs": int(out.shape[-1])}
 
 
 def _absolute(source: str) -> str:

@@ -80,7 +80,9 @@ def _pipeline(spec: ModelSpec, meta: nn.Module, config: ParallelConfig, seq_len:
     if spec.family == "module":
         from autoplan.execute.runner import check_chain
 
-        reason = check_chain(meta, roles, torch.zeros(1, min(seq_len, 16), dtype=torch.long, device="meta"))
+        example = (torch.zeros(1, *spec.input_shape, device="meta") if spec.input_shape else
+                   torch.zeros(1, min(seq_len, 16), dtype=torch.long, device="meta"))
+        reason = check_chain(meta, roles, example)
         if reason:
             return (f"pp={config.pp}: pipeline stages run {spec.name}'s layers one after another, but {reason}: "
                     f"use pp=1 for this model")

@@ -145,7 +145,7 @@ def vocab_parallel(roles: ModelRoles, model: nn.Module, tp: int) -> tuple[bool, 
     """(embedding, head) split over the vocabulary? Needs tp | vocabulary; an embedding with a padding_idx stays
     replicated (the padding row is a global index), and a head tied to the embedding does what it does."""
     modules = dict(model.named_modules())
-    if tp == 1 or roles.vocab_size % tp:
+    if tp == 1 or not roles.vocab_size or roles.vocab_size % tp:  # no vocabulary (an image model): nothing to split
         return False, False
     embedding = modules.get(roles.embedding)
     embed = embedding is not None and getattr(embedding, "padding_idx", None) is None

@@ -4,7 +4,9 @@ The same seed gives the same initial weights (the full model is built on CPU aft
 torch.manual_seed(seed), before any sharding) and the same data (the global batch of step k is drawn
 from a torch.Generator seeded with (seed * 1000003 + k) mod 2^32), so one process with tp = pp = dp = 1 is the
 reference for every plan. Loss: mean next-token cross entropy over all tokens of the global batch; cp ranks
-hold equal zig-zag shards of each sequence (chunks r and 2cp-1-r of 2*cp), so their mean loss is exact.
+hold equal zig-zag shards of each sequence (chunks r and 2cp-1-r of 2*cp), so their mean loss is exact. A model
+without tokens (ModelSpec.input_shape: a ViT, a ResNet) trains on seeded inputs and class labels
+(execute.images), its loss the mean cross entropy over the samples.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from autoplan.execute.experts import check_expert_layout
 from autoplan.execute.fsdp import prepare_microbatch
 from autoplan.execute.generic import build_generic_parts
 from autoplan.execute.gradnorm import global_grad_norm
+from autoplan.execute.images import image_batch, local_rows
 from autoplan.execute.mesh import SubMeshes, build_expert_mesh, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
     SCALE_GRADS,
@@ -98,8 +101,9 @@ def build_model(model_name: str, seed: int) -> Transformer:
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens; logits may be a vocab-sharded DTensor (then call it under loss_parallel())."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Mean over tokens ([B, S, V] logits, [B, S] targets) or samples ([B, C], [B]); logits may be a
+    vocab-sharded DTensor (then call it under loss_parallel())."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
 def local_batch(batch: torch.Tensor, config: ParallelConfig, meshes: SubMeshes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +214,22 @@ def _global_loss(job: _Job, local: float | None) -> float:
     return float(value.item()) / (c.dp * c.ep * c.cp * c.tp)
 
 
+def _step_batch(job: _Job, model: str | ModelSpec, options: TrainOptions, tokens: Any,
+                step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets) of one step: seeded images and labels for a model without tokens,
+    else synthetic tokens or windows of the token file."""
+    if isinstance(model, ModelSpec) and model.input_shape:
+        pair = image_batch(options.seed, step, global_batch=options.global_batch, input_shape=model.input_shape,
+                           num_outputs=model.num_outputs)
+        return local_rows(pair, job.config, job.meshes)
+    if tokens is None:
+        batch = make_batch(options.seed, step, global_batch=options.global_batch, seq_len=options.seq_len,
+                           vocab_size=job.vocab_size)
+    else:
+        batch = sample_windows(tokens, options.seed, step, global_batch=options.global_batch, seq_len=options.seq_len)
+    return local_batch(batch, job.config, job.meshes)
+
+
 def train(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: TrainOptions, *, device: torch.device,
           on_step: Callable[[int], None] | None = None) -> TrainResult:
     """Run options.steps optimizer steps of the plan on this rank (the process group is initialised)."""
@@ -223,13 +243,7 @@ def train(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: Tra
     for step in range(start, options.steps):
         if on_step is not None:
             on_step(step)
-        if tokens is None:
-            batch = make_batch(options.seed, step, global_batch=options.global_batch, seq_len=options.seq_len,
-                               vocab_size=vocab)
-        else:
-            batch = sample_windows(tokens, options.seed, step, global_batch=options.global_batch,
-                                   seq_len=options.seq_len)
-        inputs, targets = (t.to(device) for t in local_batch(batch, job.config, job.meshes))
+        inputs, targets = (t.to(device) for t in _step_batch(job, model_name, options, tokens, step))
         t0 = time.perf_counter()
         local = _forward_backward(job, inputs, targets, n_mb)
         if device.type == "cuda":

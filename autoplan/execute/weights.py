@@ -38,7 +38,8 @@ def _chunk_seed(seed: int, name: str, chunk: int) -> int:
 
 def param_kind(module: nn.Module, name: str, shape: tuple[int, ...]) -> str:
     """"ones" (a norm's scale), "zeros" (biases, other vectors) or "normal" (matrices, stacked experts)."""
-    norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+    norm = isinstance(module, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase)) or \
+        type(module).__name__.endswith("Norm")
     if norm and name == "weight":
         return "ones"
     return "normal" if len(shape) >= 2 else "zeros"

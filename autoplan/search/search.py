@@ -19,7 +19,7 @@ from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute
 from autoplan.search.hetero import group_notes, plan_stages
 from autoplan.search.notes import nothing_fits_message, plan_notes
 from autoplan.search.refine import refine
-from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space
+from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space, token_free_restriction
 from autoplan.search.surrogate import Quick, quick_estimate
 from autoplan.search.ties import fold_ties
 
@@ -53,6 +53,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     the remedies) if none fits. `record`, when given, receives the candidates: "quick" (the quick estimate
     of every candidate) and "exact" (the exactly estimated, fitting ones), for a Pareto plot."""
     cost = cost_model or importlib.import_module("autoplan.cost")
+    options, restricted = token_free_restriction(graph, options)
     with _status(options.progress) as status:
         status(f"enumerating configurations for {cluster.num_devices} devices")
         space = enumerate_space(graph, cluster, options)
@@ -71,7 +72,8 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost, folded=folded)
              for i, (cand, folded) in enumerate(ranked)]
     return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost)
-                         + group_notes(p, graph, cluster)) for p, (cand, _) in zip(plans, ranked))
+                         + group_notes(p, graph, cluster) + ((restricted,) if restricted else ()))
+                 for p, (cand, _) in zip(plans, ranked))
 
 
 def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, status) -> list[Candidate]:

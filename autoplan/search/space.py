@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -99,6 +99,41 @@ def _parse(enum_type: type, value: object, what: str) -> object:
         raise ValueError(f"unknown {what} {value!r}: choose one of {known}") from None
 
 
+def token_free_restriction(graph: LayerGraph, options: SearchOptions) -> tuple[SearchOptions, str]:
+    """The search space a model without tokens (its input an image: LayerGraph.input_shape of rank > 1) is
+    run in, and why (empty for other models). autoplan's executor runs such a model as a chain of its modules
+    (execute/runner.py): no context or sequence parallelism (its positions are made inside its forward, which
+    a sequence split cannot reach). Blocks that are not recognised transformer blocks (convolutions: no heads,
+    no token sequence) add: no tensor parallelism, no selective recompute (no attention core), no experts;
+    left are data parallelism and ZeRO, pipeline stages over the blocks, full recompute and the microbatch.
+    ValueError when a restriction the caller fixed leaves nothing."""
+    if len(graph.input_shape) < 2:
+        return options, ""
+    transformer = all(b.hidden_size and b.num_heads for b in graph.blocks)
+    keep: dict[str, tuple] = {"cp": (1,), "sp": (False,)}
+    if not transformer:
+        keep.update(tp=(1,), ep=(1,), recompute=(Recompute.NONE, Recompute.FULL))
+    changes = {}
+    for name, allowed in keep.items():
+        given = getattr(options, name)
+        chosen = allowed if given is None else tuple(v for v in given if v in allowed)
+        if not chosen:
+            raise ValueError(f"{name}={list(given)}: {graph.model_name} takes {graph.input_shape} inputs, not tokens"
+                             + ("" if transformer else ", and its blocks are not transformer blocks")
+                             + f": it runs with {name} in {[getattr(v, 'value', v) for v in allowed]}")
+        changes[name] = chosen
+    if transformer:
+        what, refused = "data parallelism / ZeRO, tensor parallelism, pipeline stages over its blocks, recompute", \
+            "context or sequence parallelism"
+    else:
+        what, refused = "data parallelism / ZeRO, pipeline stages over its blocks, full recompute", \
+            "tensor, context or sequence parallelism, selective recompute: its blocks are not transformer blocks"
+    note = (f"{graph.model_name} takes inputs of shape {graph.input_shape}, not tokens: searched over {what} and "
+            f"the microbatch (no {refused}; autoplan's executor runs such a model as a chain of its modules, "
+            f"which make their positions inside their forward).")
+    return replace(options, **changes), note
+
+
 def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
@@ -182,7 +217,9 @@ class Space:
 
 
 def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions) -> Space:
-    """Every legal candidate: mesh x microbatch x (schedule, v) x recompute x zero x sp."""
+    """Every legal candidate: mesh x microbatch x (schedule, v) x recompute x zero x sp (a model without tokens:
+    what token_free_restriction leaves)."""
+    options, _ = token_free_restriction(graph, options)
     num_blocks = len(graph.blocks)
     recomputes = [RECOMPUTES.index(r) for r in options.recompute]
     blocks: list[np.ndarray] = []

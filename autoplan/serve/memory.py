@@ -118,13 +118,14 @@ def engine_reserve_fraction(engine: ServeEngine, device: DeviceSpec, tp: int, pp
 
 
 def instance_memory(model: ServeModel, device: DeviceSpec, engine: ServeEngine, *, tp: int, pp: int,
-                    batched_tokens: int, max_seqs: int) -> InstanceMemory:
+                    batched_tokens: int, max_seqs: int, extra_weights: float = 0.0) -> InstanceMemory:
     """The KV pool left on each device after the engine's budget takes weights and activations:
     - "total" (vLLM gpu_memory_utilization): pool = f * mem - weights - activations - workspace;
       with reserve buckets (SGLang mem_fraction_static) activations live in the reserve: pool =
       f * mem - weights - workspace;
-    - "free" (TensorRT-LLM free_gpu_memory_fraction): pool = f * (mem - weights - activations - workspace)."""
-    weights = weight_bytes_per_gpu(model, tp, pp)
+    - "free" (TensorRT-LLM free_gpu_memory_fraction): pool = f * (mem - weights - activations - workspace).
+    extra_weights: bytes per device of other weights the instance holds (an encoder run with it)."""
+    weights = weight_bytes_per_gpu(model, tp, pp) + extra_weights
     acts = activation_bytes(model, tp, batched_tokens, max_seqs)
     work = engine.workspace_bytes
     fraction = engine_reserve_fraction(engine, device, tp, pp)

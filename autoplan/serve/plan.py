@@ -16,6 +16,7 @@ HF_IDS = {
     "llama3-405b": "meta-llama/Llama-3.1-405B-Instruct",
     "mixtral-8x7b": "mistralai/Mixtral-8x7B-Instruct-v0.1",
     "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "llava-1.5-7b": "llava-hf/llava-1.5-7b-hf",
 }
 
 
@@ -82,6 +83,12 @@ class ServePlan:
                      + (f", KV transfer {e.kv_transfer_s * 1e3:.2f} ms" if c.disaggregated else "")
                      + f"), TPOT {e.tpot_s * 1e3:.2f} ms ({e.tokens_per_s_per_user:.0f} tokens/s per user), "
                      f"{e.tokens_per_s:,.0f} tokens/s = {e.tokens_per_s_per_gpu:,.0f} per GPU.")
+        if e.encode_s or c.encoder_replicas:
+            where = (f"on {c.encoder_replicas} encoder instance(s) of tp{c.encoder_tp} (queue "
+                     f"{e.encode_queue_s * 1e3:.2f} ms, hand-off to prefill {e.encoder_handoff_s * 1e3:.3f} ms)"
+                     if c.encoder_replicas else "on the prefill devices, sharded over their tp")
+            lines.append(f"Encode: {w.images_per_request} image(s) per request, {e.encode_s * 1e3:.2f} ms {where}; "
+                         f"part of TTFT.")
         lines.append(f"Memory per GPU: weights {e.weight_bytes_per_gpu / 2**30:.1f} GiB, KV pool "
                      f"{e.kv_cache_bytes_per_gpu / 2**30:.1f} GiB ({e.max_concurrency} requests at once), "
                      f"peak {e.peak_mem_bytes / 2**30:.1f} of {e.mem_capacity_bytes / 2**30:.0f} GiB.")
@@ -97,12 +104,14 @@ class ServePlan:
 
 
 def describe(c: ServeConfig) -> str:
-    """A short layout string: "tp4 x 2 replicas, batch <= 256" or "P 2 x tp2 : D 1 x tp4"."""
+    """A short layout string: "tp4 x 2 replicas, batch <= 256" or "P 2 x tp2 : D 1 x tp4" (with
+    "E 1 x tp1 + " in front for an encoder on instances of its own)."""
     inst = f"tp{c.tp}" + (f" pp{c.pp}" if c.pp > 1 else "") + (f" ep{c.ep}" if c.ep > 1 else "")
+    enc = f"E {c.encoder_replicas} x tp{c.encoder_tp} + " if c.encoder_replicas else ""
     if c.disaggregated:
         pre = f"tp{c.prefill_tp}" + (f" pp{c.prefill_pp}" if c.prefill_pp > 1 else "")
-        return f"disaggregated P {c.prefill_replicas} x {pre} : D {c.replicas} x {inst}, batch <= {c.max_batch}"
-    return f"{c.replicas} x {inst}, batch <= {c.max_batch}"
+        return f"{enc}disaggregated P {c.prefill_replicas} x {pre} : D {c.replicas} x {inst}, batch <= {c.max_batch}"
+    return f"{enc}{c.replicas} x {inst}, batch <= {c.max_batch}"
 
 
 def _layout_flags(tp: int, pp: int, tp_flag: str, pp_flag: str) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ from autoplan.serve.physics import Iteration
 StepFn = Callable[[Iteration], float]
 _ITERATIONS = 200
 _TOLERANCE = 1e-9
+_BISECTIONS = 24
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -148,3 +149,35 @@ def md1_wait_s(rate: float, service_s: float) -> float:
     if rho >= 1.0:
         return math.inf
     return rho * service_s / (2.0 * (1.0 - rho))
+
+
+def front_stage_closed(lm_rate: Callable[[float], float], users: float, *, service_s: float, handoff_s: float,
+                       servers: int) -> tuple[float, float]:
+    """A closed loop of `users` clients through a front stage (an encoder group of `servers` M/D/1
+    instances of service S, then a hand-off H) and the language model: (clients inside the language model
+    u, the front stage's wait W). Little's law on the front stage: N = u + lambda(u) (W + S + H), with
+    lambda(u) the language model's request rate at u clients and W the M/D/1 wait at lambda (N - 1) / N
+    (a client never queues behind its own request); bisection on u, which lambda grows with. At the
+    encoder's capacity (lambda S = servers) the clients left over wait there: W = (N - u) / lambda - S - H."""
+    others = max(users - 1.0, 0.0) / users
+
+    def wait(rate: float) -> float:
+        return md1_wait_s(rate * others / servers, service_s)
+
+    def excess(u: float) -> float:
+        rate = lm_rate(u)
+        if rate * service_s >= servers:
+            return math.inf
+        return u + rate * (wait(rate) + service_s + handoff_s) - users
+
+    lo, hi = 0.0, users
+    for _ in range(_BISECTIONS):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if excess(mid) < 0 else (lo, mid)
+    u = max(lo, 1e-9)
+    rate = lm_rate(u)
+    if lm_rate(hi) * service_s < servers or rate <= 0:
+        return u, wait(rate)
+    # at the encoder's capacity the M/D/1 wait stays finite for N - 1 others: the clients left over wait
+    return u, max(wait(rate), (users - u) / rate - service_s - handoff_s)
+

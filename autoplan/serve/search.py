@@ -4,6 +4,11 @@ Candidates: tp (powers of two up to a node, dividing the heads; kv heads divide 
 them), pp (powers of two), ep (1, or tp for a MoE whose experts divide by it), replicas (powers of
 two and the most that fit), the batch cap (the engine's max_num_seqs and smaller powers of two), and
 disaggregated layouts: P prefill instances of prefill_tp and D decode instances of tp (pp 1).
+A model with an encoder: every layout above runs it on its prefill devices (co-located); then the
+_ENCODER_BASES best distinct layouts of that ranking are tried again with the encoder on instances of its
+own (encoder_tp a power of two dividing its heads, up to max_instances of them) on the devices they leave
+free (a layout that needs the encoder's share of the devices ranks among the co-located ones first,
+since goodput is per GPU).
 Ranking (goodput, Zhong et al., "DistServe", OSDI'24): among the plans that fit, are stable and meet
 both SLOs, the most output tokens/s per GPU first (ties: fewer devices, lower TPOT); then the plans
 that miss, by how far they miss (the largest ratio of a latency to its SLO).
@@ -11,6 +16,7 @@ that miss, by how far they miss (the largest ratio of a latency to its SLO).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +27,7 @@ from autoplan.serve.physics import Hardware
 from autoplan.serve.types import ServeConfig, ServeEstimate, ServeModel, Workload
 
 _BATCH_CAPS = (8, 16, 32, 64, 128, 256, 512, 1024)
+_ENCODER_BASES = 16
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,7 +40,9 @@ class ServeSearchOptions:
     replicas: tuple[int, ...] | None = None
     max_batch: tuple[int, ...] | None = None
     disaggregated: bool | None = None
-    max_instances: int = 4  # P and D each up to this many instances in disaggregated layouts
+    max_instances: int = 4  # P and D (and encoder instances) each up to this many in disaggregated layouts
+    encoder_tp: tuple[int, ...] | None = None  # the encoder's own instances: tp values to try
+    encoder_replicas: tuple[int, ...] | None = None  # 0: co-located with prefill; >= 1: instances of its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,9 +140,35 @@ def search(model: ServeModel, hw: Hardware, workload: Workload, *, ttft_slo_s: f
            tpot_slo_s: float | None = None, opts: ServeSearchOptions | None = None) -> list[Scored]:
     """Every candidate scored, best first (see the module docstring for the order)."""
     opts = opts or ServeSearchOptions()
-    scored = [score(c, estimate_serving(model, hw, c, workload), ttft_slo_s, tpot_slo_s)
-              for c in candidates(model, hw, opts)]
-    return sorted(scored, key=rank_key)
+    scored = sorted((score(c, estimate_serving(model, hw, c, workload), ttft_slo_s, tpot_slo_s)
+                     for c in candidates(model, hw, opts)), key=rank_key)
+    if model.encoder is None or not workload.images_per_request:
+        return scored
+    own = [score(c, estimate_serving(model, hw, c, workload), ttft_slo_s, tpot_slo_s)
+           for c in encoder_candidates(model, hw, opts, [s.config for s in scored])]
+    colocated = scored if opts.encoder_replicas is None or 0 in opts.encoder_replicas else []
+    return sorted(colocated + own, key=rank_key)
+
+
+def encoder_candidates(model: ServeModel, hw: Hardware, opts: ServeSearchOptions,
+                       ranked: list[ServeConfig]) -> Iterator[ServeConfig]:
+    """The best _ENCODER_BASES distinct layouts of `ranked`, each with encoder instances of its own on
+    the devices it leaves free."""
+    assert model.encoder is not None
+    heads, n = model.encoder.a, hw.cluster.num_devices
+    tps = [t for t in (opts.encoder_tp or _powers(hw.cluster.devices_per_node))
+           if t <= hw.cluster.devices_per_node and heads % t == 0]
+    counts = [r for r in (opts.encoder_replicas or range(1, opts.max_instances + 1)) if r >= 1]
+    bases: dict[ServeConfig, ServeConfig] = {}  # layout (batch cap aside) -> its best-ranked config
+    for config in ranked:
+        bases.setdefault(dataclasses.replace(config, max_batch=1), config)
+        if len(bases) == _ENCODER_BASES:
+            break
+    for base in bases.values():
+        for tp in tps:
+            for replicas in counts:
+                if base.num_devices + tp * replicas <= n:
+                    yield dataclasses.replace(base, encoder_tp=tp, encoder_replicas=replicas)
 
 
 def min_devices(scored: list[Scored], workload: Workload) -> int | None:

@@ -4,7 +4,11 @@ serving configuration, the workload, and the estimate. Frozen values; no torch.
 Definitions used everywhere (as in vLLM's benchmarks/benchmark_serving.py and NVIDIA genai-perf):
 - TTFT (time to first token): from the moment a request arrives at the engine (its HTTP arrival,
   queueing included) to the moment its first output token exists. The first token is produced by the
-  prefill pass; with disaggregation it includes the KV transfer to the decode group.
+  prefill pass; with disaggregation it includes the KV transfer to the decode group. For a model with an
+  encoder (a vision tower + projector) it includes encoding the request's images (and, when the encoder
+  has devices of its own, its queue there and the hand-off of the image features to the prefill group).
+- input_len counts the prompt's text tokens; a model with an encoder prefills input_len + images x the
+  tokens each image fills (LLaVA-1.5: 576), and those tokens occupy the KV cache like the text's.
 - TPOT (time per output token): (end-to-end latency - TTFT) / (output_len - 1), the mean gap between
   consecutive output tokens after the first (genai-perf calls it ITL, inter-token latency). Network and
   detokenizer time outside the engine are not modelled.
@@ -44,6 +48,25 @@ class BlockGroup:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class ServeEncoder:
+    """The encoder side of a model with components (vision tower + projector), per image: its forward
+    FLOPs by kind, the shape of its blocks (tp splits their heads), its parameters, and what it hands
+    the language model (the features of `output_tokens` prompt positions, `handoff_bytes` in the
+    serving activation dtype). Built by serve.encoder.serve_encoder from graph.types.EncoderSplit."""
+
+    name: str
+    matmul_flops: float  # forward GEMM FLOPs of one image (2 per multiply-add)
+    attention_flops: float  # forward attention-core FLOPs (QK^T and PV) of one image
+    num_blocks: int
+    tokens: int  # sequence through the blocks per image (patches + class token)
+    h: int
+    a: int
+    params: int
+    handoff_bytes: float
+    output_tokens: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ServeModel:
     """A decoder-only model for serving: its block groups in order, the embedding and the LM head.
     `weight_bytes` / `kv_bytes`: bytes per weight and per cached K/V element (2 for bf16, 1 for fp8)."""
@@ -57,6 +80,7 @@ class ServeModel:
     kv_bytes: float = 2.0
     act_bytes: float = 2.0  # activations between layers (bf16 even with fp8 weights)
     ends_bytes: float = 0.0  # embedding and LM head bytes per weight; 0: weight_bytes (see model.serve_model)
+    encoder: ServeEncoder | None = None  # a model with components: encode -> prefill -> decode
 
     @property
     def ends_weight_bytes(self) -> float:
@@ -134,7 +158,10 @@ class ServeConfig:
     decode. Disaggregated: `prefill_replicas` instances of prefill_tp x prefill_pp devices prefill and
     hand the KV cache to `replicas` decode instances of tp x pp devices (P:D = prefill_replicas:replicas).
     ep > 1 shards the routed experts of a MoE over ep ranks of each instance's tp group (ep divides tp).
-    max_batch caps the requests one instance decodes at once (vLLM --max-num-seqs)."""
+    max_batch caps the requests one instance decodes at once (vLLM --max-num-seqs).
+    A model with an encoder: encoder_replicas = 0 runs it on the devices that prefill (sharded over their
+    tp, as vLLM does by default); encoder_replicas >= 1 gives it instances of its own, encoder_tp devices
+    each, which hand the image features to the prefill group."""
 
     tp: int = 1
     pp: int = 1
@@ -145,6 +172,8 @@ class ServeConfig:
     prefill_tp: int = 0  # 0: same as tp
     prefill_pp: int = 0  # 0: same as pp
     prefill_replicas: int = 0  # 0 when aggregated; >= 1 when disaggregated
+    encoder_tp: int = 0  # 0: no encoder group of its own (or not given: 1 when encoder_replicas >= 1)
+    encoder_replicas: int = 0  # 0: the encoder runs with the prefill instances (co-located)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep", "replicas", "max_batch"):
@@ -159,6 +188,14 @@ class ServeConfig:
             raise ValueError(f"prefill_replicas={self.prefill_replicas} needs disaggregated=True")
         object.__setattr__(self, "prefill_tp", self.prefill_tp or self.tp)
         object.__setattr__(self, "prefill_pp", self.prefill_pp or self.pp)
+        for name in ("encoder_tp", "encoder_replicas"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if self.encoder_tp and not self.encoder_replicas:
+            raise ValueError(f"encoder_tp={self.encoder_tp} needs encoder_replicas >= 1 (encoder instances of "
+                             f"their own); leave both 0 to run the encoder with the prefill instances")
+        object.__setattr__(self, "encoder_tp", (self.encoder_tp or 1) if self.encoder_replicas else 0)
 
     @property
     def instance_devices(self) -> int:
@@ -177,19 +214,24 @@ class ServeConfig:
         return self.prefill_replicas * self.prefill_tp * self.prefill_pp
 
     @property
+    def encode_devices(self) -> int:
+        """Devices of the encoder's own instances (0 when it runs with the prefill instances)."""
+        return self.encoder_replicas * self.encoder_tp
+
+    @property
     def num_devices(self) -> int:
-        return self.decode_devices + (self.prefill_devices if self.disaggregated else 0)
+        return self.decode_devices + (self.prefill_devices if self.disaggregated else 0) + self.encode_devices
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(prefill_devices=self.prefill_devices, decode_devices=self.decode_devices,
-                   num_devices=self.num_devices)
+                   encode_devices=self.encode_devices, num_devices=self.num_devices)
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ServeConfig:
         known = {f for f in cls.__dataclass_fields__}
-        derived = {"prefill_devices", "decode_devices", "num_devices"}
+        derived = {"prefill_devices", "decode_devices", "encode_devices", "num_devices"}
         unknown = sorted(set(data) - known - derived)
         if unknown:
             raise ValueError(f"unknown serving config key(s) {unknown}: known are {sorted(known)}")
@@ -212,6 +254,7 @@ class Workload:
     # evaluate the queue with the discrete-event simulation (autoplan.serve.simulate) instead of Little's
     # law and M/D/1; implied by burstiness != 1
     simulate: bool = False
+    images_per_request: int = 0  # images each request's encoder pass takes (models with an encoder)
 
     @property
     def simulated(self) -> bool:
@@ -233,6 +276,9 @@ class Workload:
             raise ValueError(f"burstiness must be a positive number (1 = Poisson), got {self.burstiness!r}")
         if self.burstiness != 1.0 and self.rate is None:
             raise ValueError("burstiness shapes open-loop arrivals: give rate (requests/s), not concurrency")
+        value = self.images_per_request
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"images_per_request must be a non-negative integer, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,6 +300,9 @@ class ServeEstimate:
     request_rate: float = 0.0  # completed requests/s
     tokens_per_s_per_user: float = 0.0  # 1 / TPOT
     kv_transfer_s: float = 0.0  # disaggregation: prefill -> decode KV hand-off per request
+    encode_s: float = 0.0  # encoding one request's images (part of TTFT)
+    encoder_handoff_s: float = 0.0  # an encoder group of its own: image features -> the prefill group, per request
+    encode_queue_s: float = 0.0  # an encoder group of its own: the wait for a free encoder instance (in queue_s)
     queue_s: float = 0.0  # part of TTFT spent waiting for a slot or the prefill queue
     stable: bool = True  # False: the arrival rate exceeds what the plan can serve (TTFT grows without bound)
     breakdown: tuple[tuple[str, float], ...] = ()  # one decode step's seconds by cause
