@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autoplan.search.balance import solve_balanced
 from autoplan.search.ilp import solve_ilp
 from autoplan.search.stages import StageProblem, brute_force, evaluate, fits, solve_dp
 
@@ -93,3 +96,25 @@ def test_evaluate_rejects_out_of_order_runs() -> None:
                            act_bytes=((0.0,), (0.0,)), num_ranks=2)
     with pytest.raises(ValueError, match="model order"):
         evaluate(problem, (((0,), (1,)), ((1,), (0,))))
+
+
+@st.composite
+def placed_problems(draw):
+    """Problems of one or two runs with a looped or V placement (the shapes solve_balanced handles)."""
+    base = draw(problems(max_blocks=5, virtual=True))
+    v_shape = base.virtual_stages == 2 and draw(st.booleans())
+    p = base.num_ranks
+    ranks = tuple(q if q < p else 2 * p - 1 - q for q in range(2 * p)) if v_shape else ()
+    return replace(base, stage_rank=ranks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(placed_problems())
+def test_balanced_solver_matches_brute_force(problem: StageProblem) -> None:
+    ref = brute_force(problem)
+    got = solve_balanced(problem)
+    if ref is None:
+        assert got is None
+    else:
+        assert got is not None and fits(problem, got)
+        assert got.time_s == pytest.approx(ref.time_s, rel=1e-9, abs=1e-12)
