@@ -89,10 +89,28 @@ def load_model(spec: str) -> Any:
 
 @lru_cache(maxsize=16)
 def _named_graph(spec: str, seq_len: int) -> LayerGraph:
+    """Captured once per (spec, seq_len) and cached on disk (autoplan.graph.cache): a preset's entry is found
+    by its name without building the model, so a warm plan of a preset never imports torch."""
+    from autoplan.graph import cache
+
+    if ":" in spec:
+        return _captured(load_model(spec), seq_len, Path(spec.split(":")[0]).stem)
+    return cache.cached(cache.preset_key(spec, seq_len=seq_len), lambda: _capture(load_model(spec), seq_len, spec),
+                        model_name=spec)
+
+
+def _capture(model: Any, seq_len: int, name: str | None) -> LayerGraph:
     from autoplan.graph.capture import capture
 
-    name = Path(spec.split(":")[0]).stem if ":" in spec else spec
-    return capture(load_model(spec), seq_len=seq_len, microbatch=1, model_name=name)
+    return capture(model, seq_len=seq_len, microbatch=1, model_name=name)
+
+
+def _captured(model: Any, seq_len: int, name: str | None) -> LayerGraph:
+    """The graph of an nn.Module from the disk cache, keyed by its structure, else captured and stored."""
+    from autoplan.graph import cache
+
+    key = cache.key_of({"module": cache.module_fingerprint(model), "seq_len": seq_len, "microbatch": 1})
+    return cache.cached(key, lambda: _capture(model, seq_len, name), model_name=name)
 
 
 def model_graph(model: Any, seq_len: int) -> LayerGraph:
@@ -104,12 +122,9 @@ def model_graph(model: Any, seq_len: int) -> LayerGraph:
         return model
     if isinstance(model, (str, Path)):
         return _named_graph(str(model), seq_len)
-    from autoplan.graph.capture import capture
-
     per_len = _module_graphs.setdefault(model, {})
     if seq_len not in per_len:
-        per_len[seq_len] = capture(model, seq_len=seq_len, microbatch=1,
-                                   model_name=getattr(getattr(model, "config", None), "name", None))
+        per_len[seq_len] = _captured(model, seq_len, getattr(getattr(model, "config", None), "name", None))
     return per_len[seq_len]
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from autoplan.search.stages import StageProblem, StageSolution, _compositions, _pareto, evaluate, fits
+from autoplan.search.stages import StageProblem, StageSolution, _pareto, evaluate, fits
 
 # per block count k: bytes [k, L] ascending (inf past the front), time [k, L], option counts [k, L, R]
 Front = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -31,15 +31,20 @@ def _pad(rows: list[np.ndarray], width: int, fill: float) -> np.ndarray:
 
 
 def _front(time: tuple[float, ...], act: tuple[float, ...], count: int) -> Front:
-    """The Pareto fronts of (activation bytes, time) over the option mixes of 0..count blocks of one run."""
-    points = []
-    for k in range(count + 1):
-        comp = _compositions(k, len(time))
-        t, a, c = _pareto(comp @ np.asarray(time), comp @ np.asarray(act), comp)
+    """The Pareto fronts of (activation bytes, time) over the option mixes of 0..count blocks of one run,
+    built up a block at a time: the front of k blocks is the front of (the front of k - 1) + each option
+    (a point dominated at k - 1 stays dominated after adding the same block), so every mix is covered."""
+    r = len(time)
+    opt_t, opt_a, unit = np.asarray(time, dtype=float), np.asarray(act, dtype=float), np.eye(r, dtype=np.int64)
+    t, a, c = np.zeros(1), np.zeros(1), np.zeros((1, r), dtype=np.int64)
+    points = [(a, t, c)]
+    for _ in range(count):
+        t, a, c = _pareto((t[:, None] + opt_t[None, :]).ravel(), (a[:, None] + opt_a[None, :]).ravel(),
+                          (c[:, None, :] + unit[None, :, :]).reshape(-1, r))
         points.append((a, t, c))
-    width = max(len(a) for a, _, _ in points)
-    return (_pad([a for a, _, _ in points], width, np.inf), _pad([t for _, t, _ in points], width, np.inf),
-            _pad([c for _, _, c in points], width, 0).astype(np.int64))
+    width = max(len(p[0]) for p in points)
+    return (_pad([p[0] for p in points], width, np.inf), _pad([p[1] for p in points], width, np.inf),
+            _pad([p[2] for p in points], width, 0).astype(np.int64))
 
 
 def _runs(problem: StageProblem) -> tuple[tuple[int, int], tuple[float, float], tuple[Front, Front]]:

@@ -25,9 +25,9 @@ Identical blocks are one run, so each kind of layer enters the model once, as co
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from autoplan.search.stages import StageProblem, StageSolution, evaluate, fits
 
@@ -52,7 +52,10 @@ class _Builder:
         self.lb.append(lb)
         self.ub.append(ub)
 
-    def constraint(self) -> LinearConstraint:
+    def constraint(self) -> Any:
+        from scipy.optimize import LinearConstraint  # scipy (0.3 s to import) only when an ILP is solved
+        from scipy.sparse import coo_matrix
+
         a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lb), self.num_vars)).tocsr()
         return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
 
@@ -167,6 +170,8 @@ def solve_ilp(problem: StageProblem, *, node_limit: int = NODE_LIMIT) -> StageSo
     _add_time(builder, ix, problem, scale)
     if problem.virtual_stages > 1:
         _add_chunk_time(builder, ix, problem, scale)
+    from scipy.optimize import Bounds, milp
+
     integrality = np.ones(ix.num_vars)
     integrality[ix.t:] = 0
     upper = np.full(ix.num_vars, np.inf)

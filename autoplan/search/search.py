@@ -5,6 +5,7 @@ refine stages and per-layer recompute (ILP) -> rank -> explain. Nothing here rea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -16,14 +17,20 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
 from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute, Stage
 from autoplan.search.notes import nothing_fits_message, plan_notes
+from autoplan.search.parallel import run_parts
 from autoplan.search.refine import refine
 from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space
-from autoplan.search.surrogate import Quick, quick_estimate
+from autoplan.search.surrogate import Quick, quick_estimate, split_by_layer_key
 
 QUICK_MEM_SLACK = 1.05  # the quick memory estimate mirrors the exact one (checked to 0.1 %); the exact one decides
 SHORTLIST = 32  # candidates per round of exact estimates
 MAX_EXACT = 160  # at most this many exact estimates
 STOP_MARGIN = 1.02  # stop once the next quick estimate is this much slower than the k-th exact time
+# Spaces of at least QUICK_SPLIT_MIN candidates get their quick estimates in QUICK_PARTS pieces of whole
+# layer-table keys, run side by side on the usable cores (parallel.run_parts). Both are fixed numbers, so the
+# pieces, and every figure, are the same on any machine (and bitwise equal to one piece: a test).
+QUICK_PARTS = 2
+QUICK_SPLIT_MIN = 20_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +59,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
         if not len(space):
             raise ValueError(_empty_space_message(graph, cluster, options))
         status(f"quick estimates of {len(space):,} candidates")
-        quick = quick_estimate(graph, cluster, space, options.global_batch, cost)
+        quick = _quick_estimates(graph, cluster, space, options.global_batch, cost)
         found = _exact_rounds(graph, cluster, space, quick, options, cost, status)
         if options.use_ilp:
             found = _refine_best(graph, cluster, space, quick, found, options, cost, status)
@@ -62,6 +69,22 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost) for i, cand in enumerate(ranked)]
     return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost))
                  for p, cand in zip(plans, ranked))
+
+
+def _quick_estimates(graph: LayerGraph, cluster: ClusterSpec, space: Space, global_batch: int, cost: Any) -> Quick:
+    """quick_estimate of every candidate; large spaces in QUICK_PARTS pieces side by side (each candidate's
+    estimate depends on its own row only, so the pieces put together are the whole)."""
+    if len(space) < QUICK_SPLIT_MIN:
+        return quick_estimate(graph, cluster, space, global_batch, cost)
+    pieces = split_by_layer_key(space, QUICK_PARTS)
+    parts = run_parts(lambda rows: quick_estimate(graph, cluster, space.take(rows), global_batch, cost), pieces)
+    merged = {}
+    for f in dataclasses.fields(Quick):
+        column = np.empty(len(space), dtype=np.asarray(getattr(parts[0], f.name)).dtype)
+        for rows, part in zip(pieces, parts):
+            column[rows] = getattr(part, f.name)
+        merged[f.name] = column
+    return Quick(**merged)
 
 
 def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, status) -> list[Candidate]:

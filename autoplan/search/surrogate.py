@@ -41,26 +41,49 @@ class Quick:
     act_mem_bytes: np.ndarray  # activations on the most loaded rank (for the notes)
 
 
+def _codes(space: Space, cols: tuple[str, ...], rows: np.ndarray | None = None) -> np.ndarray:
+    """One integer per distinct combination of `cols` (a fast unique)."""
+    code = np.zeros(len(space) if rows is None else len(rows), dtype=np.int64)
+    for col in cols:
+        values = space.columns[col] if rows is None else space.columns[col][rows]
+        code = code * (int(space.columns[col].max(initial=0)) + 1) + values
+    return code
+
+
 def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(key index per candidate, table [num_keys, num_layers, len(FIELDS)]), estimating each kind once."""
-    code = np.zeros(len(space), dtype=np.int64)
-    for col in _KEY_COLS:  # one integer per (tp, cp, ep, sp, microbatch, recompute): a fast unique
-        values = space.columns[col]
-        code = code * (int(values.max(initial=0)) + 1) + values
-    _, first_row, key_of = np.unique(code, return_index=True, return_inverse=True)
+    """(key index per candidate, table [num_keys, num_layers, len(FIELDS)]). Each kind of layer is estimated
+    once per distinct (tp, cp, sp, microbatch, recompute), and per ep only when it holds routed experts
+    (ep changes nothing else in estimate_layer), then broadcast to every layer of the kind."""
+    _, first_row, key_of = np.unique(_codes(space, _KEY_COLS), return_index=True, return_inverse=True)
     kinds = graph.kinds()
     kind_names = list(kinds)
     kind_of = np.array([kind_names.index(layer.kind) for layer in graph.layers])
-    first = [kinds[k][0] for k in kind_names]
-    table = np.zeros((len(first_row), len(graph.layers), len(FIELDS)))
-    for i, row in enumerate(first_row.tolist()):
-        tp, cp, ep, sp, mb, rec = (int(space.columns[col][row]) for col in _KEY_COLS)
-        recompute = RECOMPUTES[rec]
-        config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=recompute)
-        per_kind = np.array([_fields(cost.estimate_layer(layer, cluster, config, recompute, seq_len=graph.seq_len))
-                             for layer in first])
-        table[i] = per_kind[kind_of]
-    return key_of.reshape(-1), table
+    per_kind = np.zeros((len(first_row), len(kind_names), len(FIELDS)))
+    for k, name in enumerate(kind_names):
+        layer = kinds[name][0]
+        cols = _KEY_COLS if layer.num_experts else tuple(c for c in _KEY_COLS if c != "ep")
+        _, rows, inverse = np.unique(_codes(space, cols, first_row), return_index=True, return_inverse=True)
+        values = np.array([_fields(_estimate(layer, cluster, space, int(first_row[r]), graph, cost)) for r in rows])
+        per_kind[:, k] = values[inverse.reshape(-1)]
+    return key_of.reshape(-1), per_kind[:, kind_of]
+
+
+def split_by_layer_key(space: Space, parts: int) -> list[np.ndarray]:
+    """The candidate rows in `parts` pieces of whole layer-table keys (no key's per-layer costs are computed
+    twice), balanced by row count: keys by size, largest first, each to the lightest piece so far."""
+    _, key_of, counts = np.unique(_codes(space, _KEY_COLS), return_inverse=True, return_counts=True)
+    load, owner = np.zeros(parts), np.empty(len(counts), dtype=np.int64)
+    for key in np.argsort(-counts, kind="stable").tolist():
+        owner[key] = int(np.argmin(load))
+        load[owner[key]] += counts[key]
+    piece = owner[key_of.reshape(-1)]
+    return [np.nonzero(piece == i)[0] for i in range(parts)]
+
+
+def _estimate(layer: Any, cluster: ClusterSpec, space: Space, row: int, graph: LayerGraph, cost: Any) -> Any:
+    tp, cp, ep, sp, mb, rec = (int(space.columns[col][row]) for col in _KEY_COLS)
+    config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=RECOMPUTES[rec])
+    return cost.estimate_layer(layer, cluster, config, RECOMPUTES[rec], seq_len=graph.seq_len)
 
 
 def _fields(c: Any) -> tuple[float, ...]:
