@@ -31,6 +31,7 @@ STOP_MARGIN = 1.02  # stop once the next quick estimate is this much slower than
 # pieces, and every figure, are the same on any machine (and bitwise equal to one piece: a test).
 QUICK_PARTS = 2
 QUICK_SPLIT_MIN = 20_000
+PARALLEL_MIN_ITEMS = 4  # exact estimates and refinements in two fixed halves from this many on
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +103,25 @@ def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, sta
             kth = sorted(c.estimate.step_time_s for c in found)[options.top_k - 1]
             if quick.step_time_s[order[done]] > kth * STOP_MARGIN:
                 break
-        batch = order[done:done + SHORTLIST]
+        batch = order[done:done + SHORTLIST].tolist()
         status(f"exact estimates {done + 1}-{done + len(batch)} of {len(order):,} plausible candidates")
-        for row in batch.tolist():
-            config = space.config(row)
-            est = cost.estimate_config(graph, cluster, config, global_batch=options.global_batch)
-            if est.fits:
-                found.append(Candidate(config=config, estimate=est, row=row))
+
+        def exact(rows: list[int]) -> list[Candidate]:
+            out = [Candidate(config=space.config(r), estimate=cost.estimate_config(
+                graph, cluster, space.config(r), global_batch=options.global_batch), row=r) for r in rows]
+            return [c for c in out if c.estimate.fits]
+
+        found += [c for part in run_parts(exact, _halves(batch)) for c in part]
         done += len(batch)
     return found
+
+
+def _halves(items: list) -> list[list]:
+    """Two fixed pieces (first half, second half) for run_parts, or one when there is little to split."""
+    if len(items) < PARALLEL_MIN_ITEMS:
+        return [items]
+    half = (len(items) + 1) // 2
+    return [items[:half], items[half:]]
 
 
 def _refine_best(graph, cluster, space: Space, quick: Quick, found: list[Candidate], options, cost,
@@ -129,19 +140,26 @@ def _refine_best(graph, cluster, space: Space, quick: Quick, found: list[Candida
     else:
         piped = np.nonzero(space.columns["pp"] > 1)[0]
         todo = piped[np.argsort(quick.peak_mem_bytes[piped])][:2 * options.top_k].tolist()
+    todo = list(dict.fromkeys(todo))  # a fixed amount of work: every one of them
+    status(f"stage split and per-layer recompute of {len(todo)} candidates")
+
+    def refined(rows: list[int]) -> list[Candidate]:
+        out = []
+        for row in rows:
+            layout = refine(graph, cluster, space.config(row), global_batch=options.global_batch,
+                            modes=options.recompute, cost_model=cost)
+            if layout is not None:
+                est = cost.estimate_config(graph, cluster, layout.config, global_batch=options.global_batch,
+                                           stages=layout.stages, layer_recompute=dict(layout.layer_recompute))
+                out.append(Candidate(config=layout.config, estimate=est, stages=layout.stages,
+                                     layer_recompute=layout.layer_recompute, row=row))
+        return out
+
     seen = {(c.config, c.stages, c.layer_recompute) for c in found}
-    for n, row in enumerate(dict.fromkeys(todo)):  # a fixed amount of work: every one of them, in this order
-        status(f"stage split and per-layer recompute (ILP) {n + 1}/{len(todo)}")
-        layout = refine(graph, cluster, space.config(row), global_batch=options.global_batch,
-                        modes=options.recompute, cost_model=cost)
-        if layout is None or (layout.config, layout.stages, layout.layer_recompute) in seen:
-            continue
-        seen.add((layout.config, layout.stages, layout.layer_recompute))
-        est = cost.estimate_config(graph, cluster, layout.config, global_batch=options.global_batch,
-                                   stages=layout.stages, layer_recompute=dict(layout.layer_recompute))
-        if est.fits:
-            found.append(Candidate(config=layout.config, estimate=est, stages=layout.stages,
-                                   layer_recompute=layout.layer_recompute, row=row))
+    for cand in (c for part in run_parts(refined, _halves(todo)) for c in part):  # in todo's order
+        if (cand.config, cand.stages, cand.layer_recompute) not in seen:
+            seen.add((cand.config, cand.stages, cand.layer_recompute))
+            found += [cand] if cand.estimate.fits else []
     return _dedupe(found)
 
 
@@ -168,8 +186,9 @@ def _empty_space_message(graph: LayerGraph, cluster: ClusterSpec, options: Searc
     n = cluster.num_devices
     return (f"no parallel configuration of {n} devices divides global batch {options.global_batch} "
             f"(dp*ep replicas must divide it; pp <= {len(graph.blocks)} blocks; tp must divide a node of "
-            f"{cluster.devices_per_node} and the heads; cp must divide seq_len {graph.seq_len}): use a global batch "
-            f"that is a multiple of a divisor of {n}, or relax the fixed degrees")
+            f"{cluster.devices_per_node}, the heads, the FFN width and the vocabulary of {graph.vocab_size}; "
+            f"2*cp must divide seq_len {graph.seq_len}): use a global batch that is a multiple of a divisor of {n}, "
+            f"or relax the fixed degrees")
 
 
 @contextlib.contextmanager

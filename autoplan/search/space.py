@@ -172,7 +172,9 @@ def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOpti
     for tp, pp, dp, cp, ep in mesh_shapes(graph, cluster, options):
         per_replica = options.global_batch // (dp * ep)
         mbs = _allowed(divisors(per_replica), options.microbatch)
-        zeros = [z for z in options.zero if dp * ep > 1 or z == 0]  # nothing to shard over one replica
+        # ZeRO shards over the dense data-parallel group dp*ep*cp (plan.layout.zero_layout): nothing to shard
+        # over one rank
+        zeros = [z for z in options.zero if dp * ep * cp > 1 or z == 0]
         sps = [int(s) for s in options.sp if tp > 1 or not s]
         scheds = [(SCHEDULES.index(s), v) for s, v in schedule_choices(pp, num_blocks, options)]
         if not (mbs and zeros and sps and scheds and recomputes):
