@@ -52,8 +52,10 @@ def _codes(space: Space, cols: tuple[str, ...], rows: np.ndarray | None = None) 
 
 def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any) -> tuple[np.ndarray, np.ndarray]:
     """(key index per candidate, table [num_keys, num_layers, len(FIELDS)]). Each kind of layer is estimated
-    once per distinct (tp, cp, sp, microbatch, recompute), and per ep only when it holds routed experts
-    (ep changes nothing else in estimate_layer), then broadcast to every layer of the kind."""
+    once per distinct value of the key columns it depends on, then broadcast to every layer of the kind:
+    (tp, cp, sp, microbatch), recompute only for blocks (the cost model recomputes BLOCK-role layers only:
+    cost/compute.layer_compute, cost/memory.other_activation_bytes), ep only for layers with routed experts
+    (nothing else in estimate_layer reads it). test_search_surrogate checks both against estimate_layer."""
     _, first_row, key_of = np.unique(_codes(space, _KEY_COLS), return_index=True, return_inverse=True)
     kinds = graph.kinds()
     kind_names = list(kinds)
@@ -61,7 +63,7 @@ def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any
     per_kind = np.zeros((len(first_row), len(kind_names), len(FIELDS)))
     for k, name in enumerate(kind_names):
         layer = kinds[name][0]
-        cols = _KEY_COLS if layer.num_experts else tuple(c for c in _KEY_COLS if c != "ep")
+        cols = _key_cols(layer)
         _, rows, inverse = np.unique(_codes(space, cols, first_row), return_index=True, return_inverse=True)
         values = np.array([_fields(_estimate(layer, cluster, space, int(first_row[r]), graph, cost)) for r in rows])
         per_kind[:, k] = values[inverse.reshape(-1)]
@@ -78,6 +80,13 @@ def split_by_layer_key(space: Space, parts: int) -> list[np.ndarray]:
         load[owner[key]] += counts[key]
     piece = owner[key_of.reshape(-1)]
     return [np.nonzero(piece == i)[0] for i in range(parts)]
+
+
+def _key_cols(layer: Any) -> tuple[str, ...]:
+    """The key columns estimate_layer reads for this layer (see layer_table)."""
+    skip = {"ep"} if not layer.num_experts else set()
+    skip |= {"recompute"} if layer.role is not LayerRole.BLOCK else set()
+    return tuple(c for c in _KEY_COLS if c not in skip)
 
 
 def _estimate(layer: Any, cluster: ClusterSpec, space: Space, row: int, graph: LayerGraph, cost: Any) -> Any:
