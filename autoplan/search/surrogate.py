@@ -71,14 +71,16 @@ def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any
 
 
 def split_by_layer_key(space: Space, parts: int) -> list[np.ndarray]:
-    """The candidate rows in `parts` pieces of whole layer-table keys (no key's per-layer costs are computed
-    twice), balanced by row count: keys by size, largest first, each to the lightest piece so far."""
-    _, key_of, counts = np.unique(_codes(space, _KEY_COLS), return_inverse=True, return_counts=True)
+    """The candidate rows in `parts` pieces, each holding whole groups of (tp, cp, sp, microbatch), the key
+    columns every kind of layer reads (so no layer cost is estimated in two pieces), balanced by row count:
+    groups by size, largest first, each to the lightest piece so far."""
+    shared = tuple(c for c in _KEY_COLS if c not in ("ep", "recompute"))
+    _, group_of, counts = np.unique(_codes(space, shared), return_inverse=True, return_counts=True)
     load, owner = np.zeros(parts), np.empty(len(counts), dtype=np.int64)
-    for key in np.argsort(-counts, kind="stable").tolist():
-        owner[key] = int(np.argmin(load))
-        load[owner[key]] += counts[key]
-    piece = owner[key_of.reshape(-1)]
+    for group in np.argsort(-counts, kind="stable").tolist():
+        owner[group] = int(np.argmin(load))
+        load[owner[group]] += counts[group]
+    piece = owner[group_of.reshape(-1)]
     return [np.nonzero(piece == i)[0] for i in range(parts)]
 
 
