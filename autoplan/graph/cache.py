@@ -33,15 +33,39 @@ FORMAT_VERSION = 1
 _SOURCES = ("graph", "models")  # autoplan packages whose code decides a captured graph
 
 
-def cache_dir() -> Path | None:
-    """Where graphs are cached, or None when caching is off (AUTOPLAN_CACHE_DIR=off)."""
+def cache_root() -> Path | None:
+    """autoplan's cache directory, or None when caching is off (AUTOPLAN_CACHE_DIR=off)."""
     override = os.environ.get("AUTOPLAN_CACHE_DIR")
     if override and override.lower() in ("off", "0", "none", "false"):
         return None
     if override:
-        return Path(override).expanduser() / "graphs"
+        return Path(override).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "autoplan" / "graphs"
+    return Path(base).expanduser() / "autoplan"
+
+
+def cache_dir() -> Path | None:
+    """Where graphs are cached (graphs/ under cache_root), or None when caching is off."""
+    root = cache_root()
+    return None if root is None else root / "graphs"
+
+
+def replace_atomically(path: Path, write: Callable[[Any], None], *, binary: bool = False) -> None:
+    """write(file) into a temporary file next to `path`, then rename it over `path` (readers see the old
+    file or the new one, never a torn one); errors writing a cache never fail a plan."""
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=".tmp")
+        with os.fdopen(fd, "wb" if binary else "w") as f:
+            write(f)
+        os.replace(tmp, path)
+        tmp = None
+    except OSError:
+        pass
+    finally:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
 
 
 @lru_cache(maxsize=1)
@@ -132,21 +156,8 @@ def store(key: str, graph: LayerGraph, directory: Path | None = None) -> None:
     """Write the entry atomically (a temporary file in the same directory, then os.replace); errors writing
     the cache never fail a plan."""
     directory = cache_dir() if directory is None else directory
-    if directory is None:
-        return
-    tmp = None
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{key}.", suffix=".tmp")
-        with os.fdopen(fd, "w") as f:
-            json.dump(graph_to_dict(graph), f)
-        os.replace(tmp, directory / f"{key}.json")
-        tmp = None
-    except OSError:
-        pass
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
+    if directory is not None:
+        replace_atomically(directory / f"{key}.json", lambda f: json.dump(graph_to_dict(graph), f))
 
 
 def cached(key: str, make: Callable[[], LayerGraph], *, model_name: str | None = None) -> LayerGraph:

@@ -90,14 +90,30 @@ def _quick_estimates(graph: LayerGraph, cluster: ClusterSpec, space: Space, glob
 
 def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, status) -> list[Candidate]:
     """Exact estimates of the quickest plausible candidates, in rounds, until top_k fit and the next
-    candidate's quick estimate is clearly slower than the k-th best exact time."""
+    candidate's quick estimate is clearly slower than the k-th best exact time: first those the quick
+    estimate says fit, then those it puts just over the memory (within QUICK_MEM_SLACK) that could still
+    beat the k-th best, so that candidates which cannot fit never use up the budget."""
     cap = cluster.device.mem_bytes
-    plausible = np.nonzero(quick.peak_mem_bytes <= cap * QUICK_MEM_SLACK)[0]
-    if len(plausible) > MAX_EXACT:
-        plausible = plausible[np.argpartition(quick.step_time_s[plausible], MAX_EXACT)[:MAX_EXACT]]
-    order = plausible[np.argsort(quick.step_time_s[plausible], kind="stable")]
-    found: list[Candidate] = []
-    done = 0
+    sure = np.nonzero(quick.peak_mem_bytes <= cap)[0]
+    found = _rounds(graph, cluster, space, quick, options, cost, status, _quickest(quick, sure, MAX_EXACT), [])
+    marginal = np.nonzero((quick.peak_mem_bytes > cap) & (quick.peak_mem_bytes <= cap * QUICK_MEM_SLACK))[0]
+    if len(found) >= options.top_k:
+        kth = sorted(c.estimate.step_time_s for c in found)[options.top_k - 1]
+        marginal = marginal[quick.step_time_s[marginal] < kth * STOP_MARGIN]
+    return _rounds(graph, cluster, space, quick, options, cost, status, _quickest(quick, marginal, MAX_EXACT // 2),
+                   found)
+
+
+def _quickest(quick: Quick, rows: np.ndarray, limit: int) -> np.ndarray:
+    """At most `limit` of `rows`, the quickest first (ties in row order)."""
+    if len(rows) > limit:
+        rows = rows[np.argpartition(quick.step_time_s[rows], limit)[:limit]]
+    return rows[np.lexsort((rows, quick.step_time_s[rows]))]
+
+
+def _rounds(graph, cluster, space: Space, quick: Quick, options, cost, status, order: np.ndarray,
+            found: list[Candidate]) -> list[Candidate]:
+    found, done = list(found), 0
     while done < len(order):
         if len(found) >= options.top_k:
             kth = sorted(c.estimate.step_time_s for c in found)[options.top_k - 1]

@@ -19,11 +19,13 @@ from autoplan.cost.estimate import GRAD_REDUCE_BYTES
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
+from autoplan.search.layercache import layer_costs
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
 FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work")
 _KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute")
+_CANONICAL = {"ep": 1, "recompute": 0}  # what a key column a layer does not read is set to (0: Recompute.NONE)
 # mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32 master, momentum, variance) bytes
 # per parameter (Rajbhandari et al., ZeRO, 2020, section 3.1)
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2.0, 2.0, 12.0
@@ -55,7 +57,8 @@ def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any
     once per distinct value of the key columns it depends on, then broadcast to every layer of the kind:
     (tp, cp, sp, microbatch), recompute only for blocks (the cost model recomputes BLOCK-role layers only:
     cost/compute.layer_compute, cost/memory.other_activation_bytes), ep only for layers with routed experts
-    (nothing else in estimate_layer reads it). test_search_surrogate checks both against estimate_layer."""
+    (nothing else in estimate_layer reads it); test_search_layer_table checks both against estimate_layer.
+    Costs computed once are kept on disk (layercache.layer_costs), so a later plan on the cluster reuses them."""
     _, first_row, key_of = np.unique(_codes(space, _KEY_COLS), return_index=True, return_inverse=True)
     kinds = graph.kinds()
     kind_names = list(kinds)
@@ -65,7 +68,13 @@ def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any
         layer = kinds[name][0]
         cols = _key_cols(layer)
         _, rows, inverse = np.unique(_codes(space, cols, first_row), return_index=True, return_inverse=True)
-        values = np.array([_fields(_estimate(layer, cluster, space, int(first_row[r]), graph, cost)) for r in rows])
+        keys = np.stack([space.columns[c][first_row[rows]] if c in cols else np.full(len(rows), _CANONICAL[c])
+                         for c in _KEY_COLS], axis=1)
+
+        def compute(missing: np.ndarray, layer: Any = layer) -> np.ndarray:
+            return np.array([_fields(_estimate(layer, cluster, key, graph, cost)) for key in missing.tolist()])
+
+        values = layer_costs(layer, cluster, graph.seq_len, FIELDS, keys, compute)
         per_kind[:, k] = values[inverse.reshape(-1)]
     return key_of.reshape(-1), per_kind[:, kind_of]
 
@@ -91,8 +100,8 @@ def _key_cols(layer: Any) -> tuple[str, ...]:
     return tuple(c for c in _KEY_COLS if c not in skip)
 
 
-def _estimate(layer: Any, cluster: ClusterSpec, space: Space, row: int, graph: LayerGraph, cost: Any) -> Any:
-    tp, cp, ep, sp, mb, rec = (int(space.columns[col][row]) for col in _KEY_COLS)
+def _estimate(layer: Any, cluster: ClusterSpec, key: list[int], graph: LayerGraph, cost: Any) -> Any:
+    tp, cp, ep, sp, mb, rec = key
     config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=RECOMPUTES[rec])
     return cost.estimate_layer(layer, cluster, config, RECOMPUTES[rec], seq_len=graph.seq_len)
 
