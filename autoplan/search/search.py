@@ -24,7 +24,7 @@ from autoplan.search.surrogate import Quick, quick_estimate, split_by_layer_key
 
 QUICK_MEM_SLACK = 1.05  # the quick memory estimate mirrors the exact one (checked to 0.1 %); the exact one decides
 SHORTLIST = 32  # candidates per round of exact estimates
-MAX_EXACT = 160  # at most this many exact estimates
+MAX_EXACT = 160  # at most this many exact estimates of candidates that fit by the quick estimate (and half as many just over)
 STOP_MARGIN = 1.02  # stop once the next quick estimate is this much slower than the k-th exact time
 # Spaces of at least QUICK_SPLIT_MIN candidates get their quick estimates in QUICK_PARTS pieces of whole
 # layer-table keys, run side by side on the usable cores (parallel.run_parts). Both are fixed numbers, so the
