@@ -9,6 +9,7 @@ writes a PNG of the two sweeps. Timings depend on what else runs on the machine:
     python bench/plan_speed.py                  # everything (a few minutes)
     python bench/plan_speed.py --only reference # the four reference jobs
     python bench/plan_speed.py --png plan_speed.png
+    python bench/plan_speed.py --replot plan_speed.json --png plan_speed.png
 """
 
 from __future__ import annotations
@@ -33,12 +34,12 @@ REFERENCE = {
     # DeepSeek-V3 technical report (2024), section 3-4: 2,048 H800s (here H100s), batch up to 15360 at 4K
     "deepseek-v3": ("deepseek-v3", "dgx-h100-80gb", 256, 15360, 4096, 15.0, None),
 }
-DEVICES = (8, 32, 128, 512, 2048, 8192, 32768)  # llama3-70b on H100, batch max(1024, devices), seq 4096
+DEVICES = (8, 32, 128, 512, 2048, 8192, 32768)  # llama3-8b on H100, batch max(1024, devices), seq 4096
 MODELS = ("gpt3-1.7b", "llama3-8b", "gpt3-18b", "llama3-70b", "gpt3-175b", "llama3-405b", "gpt3-530b", "gpt3-1t",
           "mixtral-8x7b", "deepseek-v3")  # on 1,024 H100s, batch 1024, seq 2048
 
 CHILD = r"""
-import json, sys, time
+import json, resource, sys, time
 t0 = time.perf_counter()
 job = json.loads(sys.argv[1])
 import autoplan
@@ -50,7 +51,9 @@ plans = autoplan.autoplan(graph, load_cluster(job["cluster"], num_nodes=job["nod
                           global_batch=job["global_batch"], seq_len=job["seq_len"], top_k=5)
 t3 = time.perf_counter()
 best = plans[0]
+own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
 print(json.dumps({"import_s": t1 - t0, "graph_s": t2 - t1, "search_s": t3 - t2, "torch": "torch" in sys.modules,
+                  "cpu_s": own.ru_utime + own.ru_stime, "workers_cpu_s": workers.ru_utime + workers.ru_stime,
                   "params": graph.num_params, "best": str(best.config), "step_s": best.estimate.step_time_s}))
 """
 
@@ -80,8 +83,11 @@ def _job(model: str, cluster: str, nodes: int, batch: int, seq: int) -> dict:
 
 
 def _row(label: str, cold: dict, warm: dict) -> str:
-    return (f"{label:34s} cold {cold['wall_s']:6.2f} s (graph {cold['graph_s']:5.2f})  warm {warm['wall_s']:5.2f} s "
-            f"(search {warm['search_s']:5.2f}, torch imported: {'yes' if warm['torch'] else 'no'})  "
+    """Wall times, and the CPU seconds of the planning process + its search workers: on an idle machine the
+    wall time is about the process's own CPU time (the workers run beside it), on a loaded one much more."""
+    return (f"{label:34s} cold {cold['wall_s']:6.2f} s (graph {cold['graph_s']:5.2f}, cpu {cold['cpu_s']:5.2f} + "
+            f"{cold['workers_cpu_s']:4.2f})  warm {warm['wall_s']:5.2f} s (search {warm['search_s']:5.2f}, cpu "
+            f"{warm['cpu_s']:4.2f} + {warm['workers_cpu_s']:4.2f}, torch {'yes' if warm['torch'] else 'no'})  "
             f"load {cold['load']:.1f}/{warm['load']:.1f}")
 
 
@@ -105,26 +111,38 @@ def sweep(points: list[tuple[str, dict]], title: str) -> list[tuple[str, dict, d
 
 
 def plot(devices: list, models: list, path: str) -> None:
+    """Wall time (solid) and the planning process's own CPU time (dashed: about the wall time on an idle
+    machine) against devices and against parameters, dense and MoE models apart."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for axis, rows, x_of, xlabel in ((left, devices, lambda j, c: j["nodes"] * 8, "devices (llama3-70b, H100)"),
-                                     (right, models, lambda j, c: c["params"] / 1e9, "parameters, billions (1,024 H100s)")):
-        xs = [x_of(job, cold) for _, job, cold, _ in rows]
-        axis.plot(xs, [c["wall_s"] for *_, c, _ in rows], "o-", label="cold (capture)")
-        axis.plot(xs, [w["wall_s"] for *_, w in rows], "s-", label="warm (graph cache)")
-        for (label, _, _, w), x in zip(rows, xs):
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    moe = {"mixtral-8x7b", "deepseek-v3"}
+    panels = ((left, [("", devices)], lambda job, c: job["nodes"] * 8, "devices (llama3-8b, H100)"),
+              (right, [("dense ", [r for r in models if r[0] not in moe]), ("MoE ", [r for r in models if r[0] in moe])],
+               lambda job, c: c["params"] / 1e9, "parameters, billions (1,024 H100s)"))
+    for axis, series, x_of, xlabel in panels:
+        for prefix, rows in series:
+            xs = [x_of(job, cold) for _, job, cold, _ in rows]
+            marker = "o" if prefix != "MoE " else "D"
+            for which, color in (("cold", "tab:blue"), ("warm", "tab:orange")):
+                pick = (lambda r: r[2]) if which == "cold" else (lambda r: r[3])
+                axis.plot(xs, [pick(r)["wall_s"] for r in rows], marker=marker, color=color, linestyle="-",
+                          label=f"{prefix}{which} wall")
+                axis.plot(xs, [pick(r)["cpu_s"] for r in rows], marker=marker, color=color, linestyle="--",
+                          alpha=0.6, label=f"{prefix}{which} process CPU")
             if axis is right:
-                axis.annotate(label, (x, w["wall_s"]), fontsize=7, rotation=30)
+                for (label, _, _, warm), x in zip(rows, xs):
+                    axis.annotate(label, (x, warm["wall_s"]), fontsize=7, rotation=30)
         axis.set_xscale("log")
         axis.set_xlabel(xlabel)
         axis.set_ylabel("end-to-end planning time, s")
         axis.grid(True, alpha=0.3)
-        axis.legend()
-    fig.suptitle("autoplan planning time (2-core machine; fresh process per plan)")
+        axis.legend(fontsize=7)
+    load = max(r[2]["load"] for r in devices + models)
+    fig.suptitle(f"autoplan planning time, fresh process per plan (2 cores; load average up to {load:.1f})")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"wrote {path}")
@@ -133,18 +151,24 @@ def plot(devices: list, models: list, path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=("reference", "devices", "models"))
-    parser.add_argument("--png", default="plan_speed.png")
+    parser.add_argument("--png", default="plan_speed.png", help="the plot; the figures go to the same name .json")
+    parser.add_argument("--replot", metavar="JSON", help="plot the figures of an earlier run, measure nothing")
     args = parser.parse_args()
+    if args.replot:
+        data = json.loads(Path(args.replot).read_text())
+        plot(data["devices"], data["models"], args.png)
+        return
     print(f"{os.cpu_count()} cores; load average now {os.getloadavg()[0]:.1f} (1 min)")
     if args.only in (None, "reference"):
         reference()
     devices = models = []
     if args.only in (None, "devices"):
-        devices = sweep([(f"llama3-70b on {n:,} GPUs", _job("llama3-70b", "dgx-h100-80gb", max(n // 8, 1), max(1024, n),
-                                                              4096)) for n in DEVICES], "against devices:")
+        devices = sweep([(f"llama3-8b on {n:,} GPUs", _job("llama3-8b", "dgx-h100-80gb", max(n // 8, 1), max(1024, n),
+                                                             4096)) for n in DEVICES], "against devices:")
     if args.only in (None, "models"):
         models = sweep([(m, _job(m, "dgx-h100-80gb", 128, 1024, 2048)) for m in MODELS], "against model size:")
     if devices and models:
+        Path(args.png).with_suffix(".json").write_text(json.dumps({"devices": devices, "models": models}, indent=1))
         plot(devices, models, args.png)
 
 
