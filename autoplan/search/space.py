@@ -90,8 +90,9 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def _fits(graph: LayerGraph, config: ParallelConfig, global_batch: int | None = None) -> bool:
-    return not graph.divisibility_errors(config, global_batch=global_batch)
+def _fits(graph: LayerGraph, config: ParallelConfig, global_batch: int | None = None,
+          sizes: tuple[dict[str, int], ...] | None = None) -> bool:
+    return not graph.divisibility_errors(config, global_batch=global_batch, sizes=sizes)
 
 
 def mesh_shapes(
@@ -103,9 +104,12 @@ def mesh_shapes(
     blocks (pp <= blocks); dp*ep the global batch. Each rule involves one degree (or dp*ep), so each degree
     is filtered on its own and the product is checked once more."""
     n, experts = cluster.num_devices, max((b.num_experts for b in graph.blocks), default=0)
-    tps = [t for t in _allowed(divisors(cluster.devices_per_node), options.tp) if _fits(graph, ParallelConfig(tp=t))]
-    eps = [e for e in _allowed(divisors(experts) if experts else (1,), options.ep) if _fits(graph, ParallelConfig(ep=e))]
-    cps = [c for c in _allowed(divisors(graph.seq_len), options.cp) if _fits(graph, ParallelConfig(cp=c))]
+    sizes = graph.divisibility_sizes()
+    tps = [t for t in _allowed(divisors(cluster.devices_per_node), options.tp)
+           if _fits(graph, ParallelConfig(tp=t), sizes=sizes)]
+    eps = [e for e in _allowed(divisors(experts) if experts else (1,), options.ep)
+           if _fits(graph, ParallelConfig(ep=e), sizes=sizes)]
+    cps = [c for c in _allowed(divisors(graph.seq_len), options.cp) if _fits(graph, ParallelConfig(cp=c), sizes=sizes)]
     out = []
     for tp, ep, cp in itertools.product(tps, eps, cps):
         inner = tp * ep * cp
@@ -115,7 +119,7 @@ def mesh_shapes(
             dp = n // (inner * pp)
             if options.dp is not None and dp not in options.dp:
                 continue
-            if _fits(graph, ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), options.global_batch):
+            if _fits(graph, ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), options.global_batch, sizes):
                 out.append((tp, pp, dp, cp, ep))
     return tuple(out)
 
