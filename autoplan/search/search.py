@@ -68,8 +68,13 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
             raise ValueError(nothing_fits_message(graph, cluster, space, quick, options, cost))
     ranked = sorted(found, key=_rank_key)[:options.top_k]
     plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost) for i, cand in enumerate(ranked)]
-    return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost))
-                 for p, cand in zip(plans, ranked))
+    pairs = list(zip(plans, ranked))
+
+    def noted(part: list) -> list[Plan]:
+        return [replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost)) for p, cand in part]
+
+    # the best plan's notes weigh the alternatives (exact estimates): it goes alone beside the others
+    return tuple(p for part in run_parts(noted, [pairs[:1], pairs[1:]] if len(pairs) > 1 else [pairs]) for p in part)
 
 
 def _quick_estimates(graph: LayerGraph, cluster: ClusterSpec, space: Space, global_batch: int, cost: Any) -> Quick:
