@@ -17,7 +17,11 @@ _LAUNCHER_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv
 def register(subparsers: Any) -> None:
     p = subparsers.add_parser("run", help="train under a plan with torch.distributed (torchrun)")
     p.add_argument("--plan", metavar="FILE", help="plan JSON from `autoplan plan --json` (or use the config flags)")
-    p.add_argument("--model", required=True, help="preset name (see `autoplan models`)")
+    p.add_argument("--model", required=True, help="preset name (see `autoplan models`), path/to/file.py:factory or a "
+                                                  "Hugging Face model directory")
+    p.add_argument("--weights", metavar="PATH", default=None,
+                   help="start from these weights: a safetensors file or a from_pretrained directory (default: a "
+                        "Hugging Face --model directory's own; else initialised from --seed)")
     p.add_argument("--steps", type=int, required=True, help="optimizer steps")
     p.add_argument("--nproc-per-node", dest="nproc_per_node", type=int, default=None,
                    help="ranks on this node (default: the plan's device count)")
@@ -53,7 +57,8 @@ def _launcher_args(args: argparse.Namespace) -> list[str]:
 
 
 def _config_given(args: argparse.Namespace) -> bool:
-    names = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute")
+    names = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute",
+             "etp", "eep")
     return any(getattr(args, n, None) is not None for n in names)
 
 
@@ -74,8 +79,11 @@ def _predicted_plan(args: argparse.Namespace, config: Any, nnodes: int) -> Any:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from autoplan.execute.launch import RunFailed, execute
+    from autoplan.execute.launch import RunFailed, execute, resolve_model
+    from autoplan.execute.preflight import check_run_flags, preflight
 
+    check_run_flags(steps=args.steps, save_every=args.save_every, checkpoint_dir=args.checkpoint_dir,
+                    resume=args.resume, data=args.data)
     if args.plan and _config_given(args):
         raise ValueError("give either --plan or configuration flags (--tp, --pp, ...), not both")
     if args.plan:
@@ -85,12 +93,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         devices = args.nproc_per_node * nnodes if args.nproc_per_node else None
         if not args.global_batch or not args.seq_len:
             raise ValueError("without --plan, give --global-batch and --seq-len")
-        plan = _predicted_plan(args, config_from_args(args, devices), nnodes)
+        config = config_from_args(args, devices)
+        # every check before the prediction, which captures the model (seconds for a large one)
+        spec, meta = resolve_model(args.model, weights=args.weights)
+        preflight(config, spec, meta, global_batch=args.global_batch, seq_len=args.seq_len,
+                  nproc_per_node=args.nproc_per_node, nnodes=nnodes, data=args.data)
+        plan = _predicted_plan(args, config, nnodes)
     try:
         report = execute(plan, args.model, steps=args.steps, nproc_per_node=args.nproc_per_node, seed=args.seed,
                          global_batch=args.global_batch, seq_len=args.seq_len, report=args.report,
                          save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
-                         timeout_s=args.timeout_s, launcher_args=_launcher_args(args), data=args.data)
+                         timeout_s=args.timeout_s, launcher_args=_launcher_args(args), data=args.data,
+                         weights=args.weights)
     except RunFailed as exc:
         print(f"autoplan run: FAILED: {exc}", file=sys.stderr)
         return 1

@@ -237,11 +237,31 @@ class Cluster:
         name_or_path: str | os.PathLike[str], *, num_nodes: int = 1, devices_per_node: int | None = None
     ) -> ClusterSpec:
         """Read a shipped profile by name or any profile file by path, for num_nodes nodes
-        (devices_per_node overrides the profile's, e.g. a 2-rank local run)."""
+        (devices_per_node overrides the profile's, e.g. a 2-rank local run).
+
+        Heterogeneous clusters: "dgx-a100-80gb:4,dgx-h100-80gb:2" (profile:nodes, comma separated) or a
+        profile with `groups:` (cluster/groups.py); their node counts are in the text, so num_nodes stays 1,
+        and devices_per_node, when given, applies to every group."""
+        from autoplan.cluster.groups import is_group_list, load_group_list, parse_groups_profile
+
+        if isinstance(name_or_path, str) and is_group_list(name_or_path):
+            return load_group_list(name_or_path, num_nodes=num_nodes, devices_per_node=devices_per_node)
         path = Cluster.path(name_or_path)
-        return parse_profile(
-            read_profile(path), str(path), num_nodes=num_nodes, devices_per_node=devices_per_node
-        )
+        data = read_profile(path)
+        if isinstance(data, Mapping) and "groups" in data:
+            return parse_groups_profile(data, path, num_nodes=num_nodes, devices_per_node=devices_per_node)
+        return parse_profile(data, str(path), num_nodes=num_nodes, devices_per_node=devices_per_node)
+
+    @staticmethod
+    def combine(groups: Any, *, name: str = "", inter_group: LinkSpec | Mapping[str, Any] | None = None,
+                devices_per_node: int | None = None) -> ClusterSpec:
+        """One cluster of node groups of different kinds: `groups` is a sequence of (profile, nodes) with a
+        profile name, a path or a ClusterSpec, e.g. [("dgx-a100-80gb", 4), ("dgx-h100-80gb", 2)];
+        inter_group the link between groups (a LinkSpec or a link mapping as in a profile; default: the
+        slowest of the groups' inter-node links). See cluster.types.heterogeneous."""
+        from autoplan.cluster.groups import combine
+
+        return combine(groups, name=name, inter_group=inter_group, devices_per_node=devices_per_node)
 
 
 def _scalar(value: Any) -> str:

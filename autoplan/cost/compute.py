@@ -147,7 +147,10 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
     h_split = t if config.sp else 1
     elements = 10.0 * shape.h / h_split + shape.dense_mlps * shape.n_mlp * shape.f / t
     if shape.num_experts:
-        elements += 4.0 * shape.top_k * shape.h / h_split + shape.top_k * shape.n_mlp * shape.f_e / t
+        # folded: each tp rank permutes its own tokens / tp, and etp times as many rows after the gather
+        permute = (4.0 * shape.top_k * shape.h * config.expert_tp / t if config.folded
+                   else 4.0 * shape.top_k * shape.h / h_split)
+        elements += permute + shape.top_k * shape.n_mlp * shape.f_e / t
     mask_bytes = 2.0 * shape.h / h_split
     total = tokens * (elements * dtype_bytes + mask_bytes)
     scores = 0.0
@@ -212,9 +215,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
                   (tokens, shape.h / t, shape.h, attn_proj * proj / (qkv + proj) / proj if proj else 0.0),
                   (tokens, shape.h, shape.f / t, mlp / (2.0 * tokens * shape.h * shape.f / t))]
         if expert_mm > 0:
-            per_expert_tokens = tokens * shape.top_k * config.ep / max(shape.num_experts, 1)
-            one = 2.0 * per_expert_tokens * shape.h * shape.f_e / t
-            groups.append((per_expert_tokens, shape.h, shape.f_e / t, expert_mm / one))
+            per_expert_tokens, width = _expert_gemm(shape, config, tokens)
+            one = 2.0 * per_expert_tokens * shape.h * width
+            groups.append((per_expert_tokens, shape.h, width, expert_mm / one))
         acc = 2.0 * GRAD_ACCUMULATE_BYTES
         mm_s = sum(gemm_pass_s(device, peak_flops, m, k, n, c, dtype_bytes) for m, k, n, c in groups)
         dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
@@ -239,6 +242,20 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     return ComputeTimes(fwd_s=max(fwd, host), bwd_s=max(bwd, 2.0 * host), bwd_weight_s=dw_s,
                         recompute_s=max(rec, host) if recompute is Recompute.FULL and rec else rec,
                         attention_fwd_s=attention_fwd)
+
+
+def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float) -> tuple[float, float]:
+    """(rows, output width) of one routed expert's GEMM on a device, balanced routing. Unfolded: the tp
+    group's tokens, experts sharded over ep and split over tp: tokens top_k ep / E rows of width f_e / t.
+    Folded (etp, eep): each tp rank routes tokens / tp of them, an expert receives the copies of the
+    eep * etp ranks of its expert group, split over etp: (tokens / tp) etp eep top_k / E rows of width
+    f_e / etp (Megatron-Core's alltoall dispatcher with expert tensor parallelism). The FLOPs per device
+    are the same, tokens top_k 2 n_mlp h f_e / tp, in both."""
+    experts = max(shape.num_experts, 1)
+    if not config.folded:
+        return tokens * shape.top_k * config.ep / experts, shape.f_e / config.tp
+    rows = tokens / config.tp * config.expert_tp * config.expert_ep * shape.top_k / experts
+    return rows, shape.f_e / config.expert_tp
 
 
 def _fallback_bytes(layer: Layer, dtype_bytes: int) -> float:

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost.compute import memory_time_s
+from autoplan.cost.experts import expert_dp_placement
+from autoplan.cost.hetero import crosses_groups, default_split, link_p2p_s, rank_clusters
 from autoplan.cost.layer import dtype_bytes, estimate_layer
 from autoplan.cost.memory import WEIGHT_BYTES_PER_PARAM, model_state_bytes
 from autoplan.cost.overlap import exposed_s
 from autoplan.cost.pipeline import in_flight_microbatches, pipeline_time_s
-from autoplan.cost.stages import balanced_stages, check_config, check_stages
+from autoplan.cost.stages import check_config, check_stages
 from autoplan.cost.types import LayerCost
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.layout import stage_ranks
@@ -75,30 +77,25 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     exposed gradient reduction after the last microbatch + ZeRO-1/2 parameter all-gather + optimizer."""
     m = check_config(graph, cluster, config, global_batch)
     p, v = config.pp, config.virtual_stages
-    stages = balanced_stages(graph, config) if stages is None else check_stages(graph, stages, p * v)
+    views = rank_clusters(cluster, config)  # each pipeline rank's own node group when heterogeneous
+    stages = (default_split(graph, cluster, config, global_batch) if stages is None
+              else check_stages(graph, stages, p * v))
     placement = stage_ranks(config)  # the executor places stages with the same function
     overrides = {k: Recompute(r) for k, r in (layer_recompute or {}).items()}
-    costs: dict[str, LayerCost] = {}
-    by_kind: dict[tuple[str, Recompute], LayerCost] = {}  # identical layers share a kind (graph.types)
-    for layer in graph.layers:
-        mode = overrides.get(layer.name, config.recompute)
-        key = (layer.kind, mode)
-        if key not in by_kind:
-            by_kind[key] = estimate_layer(layer, cluster, config, mode, seq_len=graph.seq_len,
-                                          graph_microbatch=graph.microbatch)
-        costs[layer.name] = by_kind[key]
+    envs = {id(view): _env(graph, view, config, overrides) for view in views}
     ranks = [_Rank() for _ in range(p)]
-    pp_cross = comm.group_placement(config, ("pp",), cluster.devices_per_node).crosses_nodes
-    dense_group = comm.group_placement(config, ("dp", "ep", "cp"), cluster.devices_per_node)
-    expert_group = comm.group_placement(config, ("dp", "cp"), cluster.devices_per_node)
     dbytes = dtype_bytes(cluster.dtype)
     for i, names in enumerate(stages):
-        rank = ranks[placement[i]]
-        _add_stage(rank, [costs[n] for n in names], cluster, config, dense_group, expert_group, dbytes, overlap_dp)
+        rank, env = ranks[placement[i]], envs[id(views[placement[i]])]
+        _add_stage(rank, [env.costs[n] for n in names], env.view, config, env.dense_group, env.expert_group,
+                   dbytes, overlap_dp)
         # Narayanan et al. 2021 section 4.1: each tp rank sends 1/t (scatter/gather); consecutive stages
-        # on one rank (the V's turn) hand over locally
+        # on one rank (the V's turn) hand over locally; between node groups over cluster.inter_group
         if i + 1 < len(stages) and placement[i + 1] != placement[i]:
-            hop = comm.p2p_s(costs[names[-1]].output_bytes, pp_cross, cluster)
+            out_bytes = env.costs[names[-1]].output_bytes
+            hop = (link_p2p_s(out_bytes, cluster.inter_group)
+                   if crosses_groups(cluster, config, placement[i], placement[i + 1])
+                   else comm.p2p_s(out_bytes, env.pp_cross, env.view))
             rank.pp += hop
             rank.fwd += hop
             ranks[placement[i + 1]].pp += hop
@@ -107,20 +104,51 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
                            [r.weight for r in ranks])
     offsets = [sum(r.bwd for r in ranks[:k]) for k in range(p)]
     dp_tail = max(0.0, max(r.dp_tail - off for r, off in zip(ranks, offsets)))
-    param_gather = max(_param_gather_s(r, cluster, config, dense_group, expert_group, dbytes) for r in ranks)
-    optimizer = max(_optimizer_s(r, cluster, config) for r in ranks)
+    param_gather = max(_param_gather_s(r, envs[id(view)].view, config, envs[id(view)].dense_group,
+                                       envs[id(view)].expert_group, dbytes) for r, view in zip(ranks, views))
+    optimizer = max(_optimizer_s(r, view, config) for r, view in zip(ranks, views))
     step = pipe + dp_tail + param_gather + optimizer
     breakdown = _breakdown(ranks, m, pipe, dp_tail + param_gather, optimizer)
-    memories = [_memory(r, k, cluster, config, m, dbytes) for k, r in enumerate(ranks)]
-    peak = max(memories, key=lambda mem: mem.total_bytes)
+    memories = [_memory(r, k, views[k], config, m, dbytes) for k, r in enumerate(ranks)]
+    # the most loaded rank against its own device (the same device everywhere when homogeneous)
+    k_peak = max(range(p), key=lambda k: memories[k].total_bytes / views[k].device.mem_bytes)
+    peak, capacity = memories[k_peak], views[k_peak].device.mem_bytes
     model_flops, hardware_flops = _flops(graph, config, global_batch, overrides)
-    peak_flops = cluster.peak_flops * cluster.num_devices
+    peak_flops = cluster.total_peak_flops
     return Estimate(
         step_time_s=step, tokens_per_s=global_batch * graph.seq_len / step,
         mfu=model_flops / (step * peak_flops), peak_mem_bytes=peak.total_bytes,
-        mem_capacity_bytes=cluster.device.mem_bytes, fits=peak.total_bytes <= cluster.device.mem_bytes,
+        mem_capacity_bytes=capacity, fits=peak.total_bytes <= capacity,
         breakdown=breakdown, memory=peak, model_flops=model_flops, hardware_flops=hardware_flops,
     )
+
+
+@dataclass(slots=True)
+class _Env:
+    """What the ranks of one node group share: the cluster they are priced on, their layers' costs and
+    where their groups sit (one of these for a homogeneous cluster)."""
+
+    view: ClusterSpec
+    costs: dict[str, LayerCost]
+    pp_cross: bool
+    dense_group: comm.GroupPlacement
+    expert_group: comm.GroupPlacement
+
+
+def _env(graph: LayerGraph, view: ClusterSpec, config: ParallelConfig, overrides: Mapping[str, Recompute]) -> _Env:
+    costs: dict[str, LayerCost] = {}
+    by_kind: dict[tuple[str, Recompute], LayerCost] = {}  # identical layers share a kind (graph.types)
+    for layer in graph.layers:
+        mode = overrides.get(layer.name, config.recompute)
+        key = (layer.kind, mode)
+        if key not in by_kind:
+            by_kind[key] = estimate_layer(layer, view, config, mode, seq_len=graph.seq_len,
+                                          graph_microbatch=graph.microbatch)
+        costs[layer.name] = by_kind[key]
+    dpn = view.devices_per_node
+    return _Env(view=view, costs=costs, pp_cross=comm.group_placement(config, ("pp",), dpn).crosses_nodes,
+                dense_group=comm.group_placement(config, ("dp", "ep", "cp"), dpn),
+                expert_group=expert_dp_placement(config, dpn))
 
 
 def _add_stage(rank: _Rank, costs: Sequence[LayerCost], cluster: ClusterSpec, config: ParallelConfig,
@@ -210,7 +238,7 @@ def _optimizer_s(rank: _Rank, cluster: ClusterSpec, config: ParallelConfig) -> f
     """Adam over the local shard (params / d under ZeRO >= 1), memory-bound: ADAM_BYTES_PER_PARAM per
     parameter at the device's streaming bandwidth."""
     d_dense = config.dp * config.ep * config.cp if config.zero >= 1 else 1
-    d_expert = config.dp * config.cp if config.zero >= 1 else 1
+    d_expert = config.expert_dp if config.zero >= 1 else 1
     local = rank.dense_params / d_dense + rank.expert_params / d_expert
     return memory_time_s(cluster.device, local * ADAM_BYTES_PER_PARAM)
 

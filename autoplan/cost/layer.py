@@ -9,6 +9,7 @@ from functools import lru_cache
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost.compute import BlockShape, block_shape, layer_compute
+from autoplan.cost.experts import folded_expert_comm_s
 from autoplan.cost.memory import block_activation_bytes, layer_param_counts, other_activation_bytes
 from autoplan.cost.types import LayerCost
 from autoplan.graph.types import Layer, LayerRole
@@ -130,7 +131,9 @@ def _ep_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelC
     """Expert parallelism (GShard, Lepikhin et al. 2021; DeepSpeed-MoE): all-to-all dispatch and combine
     of tokens * top_k * h elements each, in forward and again in backward (4 all-to-alls; 6 with full
     recompute), over the ep group; tokens are split over tp ranks with SP. Exposed in full.
-    Returns (forward part, total)."""
+    Returns (forward part, total). Folded expert layouts: cost.experts.folded_expert_comm_s."""
+    if config.folded:
+        return folded_expert_comm_s(shape, cluster, config, recompute, tokens, dbytes)
     if config.ep == 1 or shape is None or not shape.num_experts:
         return 0.0, 0.0
     group = comm.group_placement(config, ("ep",), cluster.devices_per_node)

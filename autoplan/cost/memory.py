@@ -40,7 +40,10 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     split = 2.0 * shape.h + 4.0 * shape.h * shape.g / shape.a + 2.0 * shape.h + hidden
     if shape.num_experts and shape.top_k:
         e_hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f_e
-        split += shape.top_k * (2.0 * shape.h + e_hidden)
+        # folded (etp, eep): a rank holds its tokens / tp routed copies gathered etp-fold, each with
+        # 1/etp of the expert hidden: (tokens / t) top_k (2 h etp + e_hidden)
+        copies = 2.0 * shape.h * (config.expert_tp if config.folded else 1)
+        split += shape.top_k * (copies + e_hidden)
     per_token = (replicated / h_split + split / t) * dtype_bytes / 2.0
     scores = 5.0 * shape.a * s / t * dtype_bytes / 2.0 if scores_materialised else 0.0
     full = tokens * (per_token + scores)
@@ -75,7 +78,7 @@ def layer_param_counts(layer: Layer, shape: BlockShape | None, config: ParallelC
     Megatron-style splits (Shoeybi et al. 2019): every weight matrix of a block is split over tp; the
     norms and the row-parallel output biases (6h for a GPT block: 2 LayerNorms with bias, 2 biases)
     are replicated. Routed expert weights are split over ep and, like Megatron-core's default expert
-    tensor parallelism, over tp. Embedding and head are vocab-parallel (split over tp); other layers
+    tensor parallelism, over tp; folded, over eep and etp. Embedding and head are vocab-parallel (split over tp); other layers
     (a final norm) are replicated."""
     t = config.tp
     expert = layer.expert_params if layer.num_experts else 0
@@ -87,7 +90,7 @@ def layer_param_counts(layer: Layer, shape: BlockShape | None, config: ParallelC
         dense_held = -(-dense // t)
     else:
         dense_held = dense
-    expert_held = -(-expert // (config.ep * t)) if expert else 0
+    expert_held = -(-expert // (config.expert_ep * config.expert_tp)) if expert else 0
     return dense_held + expert_held, dense_held, expert_held
 
 
@@ -96,9 +99,10 @@ def model_state_bytes(dense_params: float, expert_params: float, config: Paralle
 
     ZeRO stage z (Rajbhandari et al. 2020): z >= 1 divides the 12 optimizer bytes by the data-parallel
     degree, z >= 2 also the gradients, z = 3 also the weights. Dense parameters are replicated over
-    dp * ep * cp ranks, expert parameters over dp * cp, and ZeRO shards each over its own group."""
+    dp * ep * cp ranks, expert parameters over config.expert_dp (dp * cp unfolded), and ZeRO shards each
+    over its own group."""
     d_dense = config.dp * config.ep * config.cp
-    d_expert = config.dp * config.cp
+    d_expert = config.expert_dp
 
     def shard(stage: int) -> float:
         if config.zero >= stage:

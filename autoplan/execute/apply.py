@@ -65,10 +65,11 @@ def apply_plan(model: Transformer, plan: Plan | ParallelConfig, meshes: SubMeshe
     for part in parts:
         part.to(device)
         apply_tensor_parallel(part, tp_mesh=meshes.tp, sp=config.sp)
-        apply_experts(part, ep_mesh=meshes.ep)
+        apply_experts(part, ep_mesh=meshes.expert_shards, token_mesh=meshes.token_split,
+                      grad_scale=meshes.expert_dp.size() / meshes.dense_dp.size())
         apply_context_parallel(part, cp_mesh=meshes.cp)
         apply_recompute(part, recompute_for=recompute_lookup(plan))
         apply_data_parallel(part, layout=layout, dense_mesh=meshes.dense_dp, expert_mesh=meshes.expert_dp,
-                            ep=meshes.ep.size())
+                            ep=meshes.expert_shards.size(), separate_experts=config.folded or None)
     return parts
 

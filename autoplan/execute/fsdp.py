@@ -29,21 +29,33 @@ from autoplan.plan.layout import ZeroLayout
 
 
 def apply_data_parallel(model: Transformer, *, layout: ZeroLayout, dense_mesh: DeviceMesh,
-                        expert_mesh: DeviceMesh, ep: int) -> None:
+                        expert_mesh: DeviceMesh, ep: int, separate_experts: bool | None = None) -> None:
     """Wrap `model` (a whole model or a pipeline stage) in place; no-op when nothing is data parallel.
 
     Expert gradients arrive summed over the ep group (the all-to-all backward); ExpertParallel scales
     them by 1/ep in its backward (execute/experts.py), so the plain dp*cp average here completes the
-    1/(dp*ep*cp) mean of the single-device gradient."""
-    if dense_mesh.size() == 1 and ep == 1:
+    1/(dp*ep*cp) mean of the single-device gradient. `separate_experts` (default: ep > 1) wraps the
+    experts over expert_mesh on their own; folded layouts always do (their expert data-parallel group
+    is not the dense one)."""
+    separate = ep > 1 if separate_experts is None else separate_experts
+    if dense_mesh.size() == 1 and not separate:
         return
     wrap = _wrapper(layout)
     for block in model.layers.values():
         mlp = _inner(block).mlp
-        if isinstance(mlp, MoE) and ep > 1:
+        if isinstance(mlp, MoE) and separate:
             wrap(mlp.experts, mesh=expert_mesh)
         wrap(block, mesh=dense_mesh)
     wrap(model, mesh=dense_mesh)
+
+
+def wrap_blocks(root: nn.Module, blocks: list[nn.Module], *, layout: ZeroLayout, mesh: DeviceMesh) -> None:
+    """Any model's data parallelism as above (used for components, execute/components.py): each
+    repeated block, then the root, over one data-parallel mesh."""
+    wrap = _wrapper(layout)
+    for block in blocks:
+        wrap(block, mesh=mesh)
+    wrap(root, mesh=mesh)
 
 
 def _wrapper(layout: ZeroLayout) -> Callable[..., nn.Module]:

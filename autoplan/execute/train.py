@@ -16,7 +16,6 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,11 +25,20 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from autoplan.execute.apply import apply_plan, config_of
+from autoplan.execute.apply import apply_plan, config_of, recompute_lookup
 from autoplan.execute.checkpoint import load_checkpoint, save_checkpoint
 from autoplan.execute.context import zigzag_positions
+from autoplan.execute.data import (  # noqa: F401 - the data functions' home was this module
+    TOKEN_FILE_FORMATS,
+    load_tokens,
+    make_batch,
+    sample_windows,
+    step_generator,
+)
+from autoplan.execute.experts import check_expert_layout
 from autoplan.execute.fsdp import prepare_microbatch
-from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
+from autoplan.execute.generic import build_generic_parts
+from autoplan.execute.mesh import SubMeshes, build_expert_mesh, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
     SCALE_GRADS,
     build_schedule,
@@ -39,6 +47,7 @@ from autoplan.execute.pipeline import (
     local_stage_indices,
 )
 from autoplan.execute.recompute import original_fqn
+from autoplan.execute.source import ModelSpec
 from autoplan.models import Transformer, TransformerConfig, preset, preset_config
 from autoplan.plan.layout import ZeroLayout, divisibility_errors, zero_layout
 from autoplan.plan.types import ParallelConfig, Plan
@@ -86,59 +95,6 @@ def build_model(model_name: str, seed: int) -> Transformer:
         return preset(model_name)
 
 
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The data generator of one step, the same under every plan."""
-    # the CPU generator keeps 32 bits of its seed; distinct for seeds < 4294 and steps < 1000003
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**32)
-
-
-def make_batch(seed: int, step: int, *, global_batch: int, seq_len: int, vocab_size: int) -> torch.Tensor:
-    """Token ids [global_batch, seq_len + 1] of one step; inputs and targets are its shift by one."""
-    generator = step_generator(seed, step)
-    return torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=generator)
-
-
-TOKEN_FILE_FORMATS = {".npy": "numpy array of token ids", ".bin": "raw uint16 token ids (nanoGPT's format)",
-                      ".pt": "torch tensor of token ids"}
-
-
-def load_tokens(path: str, *, vocab_size: int, seq_len: int) -> torch.Tensor:
-    """A user's token stream as a 1-D int64 tensor: .npy (memory-mapped), .bin (raw uint16, as nanoGPT's
-    prepare scripts write) or .pt. Every id must be below the model's vocabulary, and the stream must
-    hold at least one window of seq_len + 1 tokens."""
-    import numpy as np
-
-    suffix = Path(path).suffix
-    if suffix not in TOKEN_FILE_FORMATS:
-        known = ", ".join(f"{k} ({v})" for k, v in TOKEN_FILE_FORMATS.items())
-        raise ValueError(f"data file {path!r}: unknown format {suffix!r}; use one of {known}")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"data file {path!r} does not exist")
-    if suffix == ".npy":
-        tokens = torch.from_numpy(np.asarray(np.load(path, mmap_mode="r")).astype(np.int64))
-    elif suffix == ".bin":
-        tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
-    else:
-        tokens = torch.as_tensor(torch.load(path, weights_only=True)).long()
-    tokens = tokens.flatten()
-    if tokens.numel() < seq_len + 2:
-        raise ValueError(f"data file {path!r} holds {tokens.numel()} tokens: need at least seq_len + 2 = "
-                         f"{seq_len + 2}; use a longer file or a shorter --seq-len")
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"data file {path!r} has token ids in [{low}, {high}] but the model's vocabulary is "
-                         f"{vocab_size}: tokenize for this model or pick a model with a larger vocabulary")
-    return tokens
-
-
-def sample_windows(tokens: torch.Tensor, seed: int, step: int, *, global_batch: int, seq_len: int) -> torch.Tensor:
-    """[global_batch, seq_len + 1] windows of the token stream at offsets drawn from the same (seed, step)
-    generator as make_batch, so every plan sees the same data."""
-    generator = step_generator(seed, step)
-    starts = torch.randint(0, tokens.numel() - seq_len - 1, (global_batch,), generator=generator)
-    return torch.stack([tokens[int(i):int(i) + seq_len + 1] for i in starts])
-
-
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean over tokens; logits may be a vocab-sharded DTensor (then call it under loss_parallel())."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
@@ -176,6 +132,7 @@ class _Job:
     schedule: Any
     device: torch.device
     layout: ZeroLayout  # the ZeRO layout of plan.layout.zero_layout
+    vocab_size: int = 0
 
 
 def check_divides(model_config: TransformerConfig, config: ParallelConfig, options: TrainOptions) -> None:
@@ -190,18 +147,28 @@ def check_divides(model_config: TransformerConfig, config: ParallelConfig, optio
         raise ValueError(f"{c.name}: {errors[0]}")
 
 
-def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
+def _setup(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
     config = config_of(plan)
-    check_divides(preset_config(model_name), config, options)
+    check_expert_layout(config)
+    generic = isinstance(model_name, ModelSpec) and not model_name.is_preset
+    if not generic:  # other models: execute.preflight checked them in the parent, with their roles
+        model_name = getattr(model_name, "name", model_name)
+        check_divides(preset_config(model_name), config, options)
     mesh = build_mesh(config, device_type=device.type)
-    meshes = sub_meshes(mesh)
+    meshes = sub_meshes(mesh, build_expert_mesh(config, device_type=device.type))
     num_microbatches = config.num_microbatches(options.global_batch)  # raises when the batch does not divide
-    model = build_model(model_name, options.seed)
-    if options.seq_len > model.config.max_seq_len:
-        raise ValueError(f"seq_len {options.seq_len} exceeds {model_name}'s max_seq_len "
-                         f"{model.config.max_seq_len}: use --seq-len <= {model.config.max_seq_len}")
     layout = zero_layout(config, num_microbatches)  # what the cost model priced
-    parts = apply_plan(model, plan, meshes, device=device, num_microbatches=num_microbatches)
+    if generic:  # any other model: execute.generic
+        parts = build_generic_parts(model_name, plan, meshes, device=device, seed=options.seed,
+                                    recompute_for=recompute_lookup(plan), layout=layout)
+        vocab_size = model_name.roles.vocab_size
+    else:
+        model = build_model(model_name, options.seed)
+        if options.seq_len > model.config.max_seq_len:
+            raise ValueError(f"seq_len {options.seq_len} exceeds {model_name}'s max_seq_len "
+                             f"{model.config.max_seq_len}: use --seq-len <= {model.config.max_seq_len}")
+        parts = apply_plan(model, plan, meshes, device=device, num_microbatches=num_microbatches)
+        vocab_size = model.config.vocab_size
     indices = local_stage_indices(config, meshes.rank_on("pp")) if config.pp > 1 else (0,)
     optimizers = [torch.optim.AdamW(p.parameters(), lr=options.lr, weight_decay=options.weight_decay,
                                     foreach=False) for p in parts]
@@ -209,7 +176,7 @@ def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, 
     if config.pp > 1:
         schedule = build_schedule(parts, indices, config, pp_group=meshes.pp.get_group(), device=device,
                                   num_microbatches=num_microbatches, loss_fn=cross_entropy)
-    return _Job(config, meshes, parts, indices, optimizers, schedule, device, layout)
+    return _Job(config, meshes, parts, indices, optimizers, schedule, device, layout, vocab_size)
 
 
 def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int) -> float | None:
@@ -241,12 +208,12 @@ def _global_loss(job: _Job, local: float | None) -> float:
     return float(value.item()) / (c.dp * c.ep * c.cp * c.tp)
 
 
-def train(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, *, device: torch.device,
+def train(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: TrainOptions, *, device: torch.device,
           on_step: Callable[[int], None] | None = None) -> TrainResult:
     """Run options.steps optimizer steps of the plan on this rank (the process group is initialised)."""
     job = _setup(model_name, plan, options, device)
     start = _maybe_resume(job, options)
-    vocab = job.parts[0].config.vocab_size
+    vocab = job.vocab_size
     tokens = load_tokens(options.data, vocab_size=vocab, seq_len=options.seq_len) if options.data else None
     n_mb = job.config.num_microbatches(options.global_batch)
     losses, times = [], []

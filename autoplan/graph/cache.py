@@ -171,6 +171,21 @@ def cached(key: str, make: Callable[[], LayerGraph], *, model_name: str | None =
     return graph
 
 
+def cached_text(key: str, make: Callable[[], str]) -> str:
+    """A short string (a model's fingerprint) cached under `key` like a graph, else make() stored."""
+    directory = cache_dir()
+    path = None if directory is None else directory / f"{key}.txt"
+    if path is not None:
+        try:
+            return path.read_text()
+        except OSError:
+            pass
+    text = make()
+    if path is not None:
+        replace_atomically(path, lambda f: f.write(text))
+    return text
+
+
 def graph_to_dict(graph: LayerGraph) -> dict[str, Any]:
     out = {f.name: getattr(graph, f.name) for f in dataclasses.fields(graph) if f.name != "layers"}
     out["layers"] = [{f.name: getattr(layer, f.name) for f in dataclasses.fields(layer)} for layer in graph.layers]
@@ -179,10 +194,15 @@ def graph_to_dict(graph: LayerGraph) -> dict[str, Any]:
     return {"format": FORMAT_VERSION, "graph": out}
 
 
+def _tuples(value: Any) -> Any:
+    """JSON lists back to the tuples the frozen types hold (nested too)."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
 def graph_from_dict(data: Mapping[str, Any]) -> LayerGraph:
     if data.get("format") != FORMAT_VERSION:
         raise ValueError(f"cache format {data.get('format')!r}, expected {FORMAT_VERSION}")
-    g = dict(data["graph"])
-    layers = tuple(Layer(**{**d, "role": LayerRole(d["role"]), "module_paths": tuple(d["module_paths"])})
-                   for d in g.pop("layers"))
-    return LayerGraph(**{**g, "layers": layers, "notes": tuple(g.get("notes", ()))})
+    g = {k: _tuples(v) for k, v in data["graph"].items() if k != "layers"}
+    layers = tuple(Layer(**{**{k: _tuples(v) for k, v in d.items()}, "role": LayerRole(d["role"])})
+                   for d in data["graph"]["layers"])
+    return LayerGraph(**{**g, "layers": layers})

@@ -25,11 +25,11 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from autoplan.graph import activations, layers, recognise
+from autoplan.graph import activations, components, layers, recognise
 from autoplan.graph.errors import CaptureError, describe_failure
-from autoplan.graph.types import Layer, LayerGraph, LayerRole
+from autoplan.graph.types import ComponentGraph, Layer, LayerGraph, LayerRole
 
-__all__ = ["CaptureError", "capture"]
+__all__ = ["CaptureError", "capture", "capture_components"]
 
 
 def capture(
@@ -82,7 +82,50 @@ def capture(
         num_nodes=sum(layer.num_nodes for layer in built),
         capture_method=method,
         notes=tuple(notes),
+        input_shape=_sample_shape(args, kwargs),
     )
+
+
+def capture_components(
+    model: nn.Module,
+    *,
+    seq_len: int,
+    microbatch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    model_name: str | None = None,
+    example_inputs: tuple[Any, ...] | None = None,
+) -> ComponentGraph:
+    """The model as a DAG of components (graph/components.py), each with its own LayerGraph, from one
+    trace; the inputs are those of `capture` (LLaVA-style models get pixel_values and input_ids of
+    seq_len tokens, the image's tokens first). A single-chain model gives one component holding
+    `capture`'s graph. Blocks are all traced (no reuse across identical blocks)."""
+    _check_size("seq_len", seq_len)
+    _check_size("microbatch", microbatch)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
+    name = model_name or _name_of(model)
+    shadow = _meta_copy(model, dtype)
+    roots = components.find_roots(shadow)
+    if not roots:
+        return components.single(capture(model, seq_len=seq_len, microbatch=microbatch, dtype=dtype,
+                                         model_name=name, example_inputs=example_inputs))
+    shadow.train()
+    args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
+    ep, method = _trace(shadow, args, kwargs)
+    taint = _taint(ep)
+    split = components.split_graph(ep.graph, shadow, roots, taint, layers.Hint(), seq_len)
+    saved, note = activations.saved_for_backward(ep, taint, min(split.seq_lens.values()), microbatch)
+    measured = {spec.name: _measure_groups(ep, shadow, split.groups[spec.name], taint, saved, microbatch)
+                for spec in split.specs}
+    return components.assemble(split, measured, model_name=name, microbatch=microbatch,
+                               dtype_bytes=torch.empty((), dtype=dtype).element_size(), method=method,
+                               notes=(note,) if note else (), input_shapes=components.input_shapes(ep))
+
+
+def _sample_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """One sample's shape of the first tensor input (its batch dimension dropped)."""
+    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+    return tuple(int(d) for d in first.shape[1:]) if first is not None and first.dim() > 0 else ()
 
 
 def _check_size(name: str, value: Any) -> None:
@@ -121,11 +164,17 @@ def _inputs(
     model: nn.Module, seq_len: int, microbatch: int, example: tuple[Any, ...] | None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if example is not None:
+        # floating inputs take the capture dtype (the parameters'), integer ones (token ids) keep theirs
+        floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         metas = tuple(
-            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+            torch.empty(x.shape, dtype=floating if x.is_floating_point() else x.dtype, device="meta")
+            if isinstance(x, torch.Tensor) else x
             for x in example
         )
         return metas, {}
+    multimodal = components.multimodal_inputs(model, seq_len, microbatch)
+    if multimodal is not None:
+        return (), multimodal
     if any(isinstance(m, nn.Embedding) for m in model.modules()):
         ids = torch.zeros(microbatch, seq_len, dtype=torch.long, device="meta")
         if hasattr(model, "config") and hasattr(model, "can_generate"):  # a transformers PreTrainedModel
@@ -227,7 +276,13 @@ def _measure(
     ep: ExportedProgram, model: nn.Module, units: layers.Units, microbatch: int, seq_len: int
 ) -> tuple[list[Layer], str]:
     """The measured layers of the traced graph, and a note on how activations were measured."""
-    graph = ep.graph
+    taint = _taint(ep)
+    groups = layers.group_nodes(ep.graph, units, model)
+    saved, note = activations.saved_for_backward(ep, taint, seq_len, microbatch)
+    return _measure_groups(ep, model, groups, taint, saved, microbatch), note
+
+
+def _taint(ep: ExportedProgram) -> layers.Taint:
     specs = ep.graph_signature.input_specs
     user = {s.arg.name for s in specs if s.kind is InputKind.USER_INPUT}
     params = {
@@ -235,15 +290,14 @@ def _measure(
         for s in specs
         if s.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
     }
-    taint = layers.taint(graph, user, params)
-    groups = layers.group_nodes(graph, units, model)
-    saved, note = activations.saved_for_backward(ep, taint, seq_len, microbatch)
+    return layers.taint(ep.graph, user, params)
+
+
+def _measure_groups(ep: ExportedProgram, model: nn.Module, groups: list[layers.Group], taint: layers.Taint,
+                    saved: dict, microbatch: int) -> list[Layer]:
     owner = _param_owners(ep, model, groups)
     hint = layers.Hint()
-    out = []
-    for index, group in enumerate(groups):
-        out.append(_layer(group, index, model, owner, taint, hint, saved, microbatch))
-    return out, note
+    return [_layer(group, index, model, owner, taint, hint, saved, microbatch) for index, group in enumerate(groups)]
 
 
 def _param_owners(ep: ExportedProgram, model: nn.Module, groups: list[layers.Group]) -> dict[str, int]:

@@ -47,17 +47,19 @@ def _front(time: tuple[float, ...], act: tuple[float, ...], count: int) -> Front
             _pad([p[2] for p in points], width, 0).astype(np.int64))
 
 
-def _runs(problem: StageProblem) -> tuple[tuple[int, int], tuple[float, float], tuple[Front, Front]]:
-    """(sizes, static bytes per block, fronts) of runs 0 and 1; one run becomes run 1 after an empty run 0."""
-    fronts = [_front(problem.time_s[j], problem.act_bytes[j], n) for j, n in enumerate(problem.run_sizes)]
+def _runs(problem: StageProblem, times: tuple[tuple[float, ...], ...]) -> tuple[Front, Front]:
+    """The fronts of runs 0 and 1 for one table of block times [run][option]; one run becomes run 1 after
+    an empty run 0."""
+    fronts = [_front(times[j], problem.act_bytes[j], n) for j, n in enumerate(problem.run_sizes)]
     if len(problem.run_sizes) == 2:
-        return tuple(problem.run_sizes), tuple(problem.static_bytes), tuple(fronts)
+        return fronts[0], fronts[1]
     empty = (np.zeros((1, 1)), np.zeros((1, 1)), np.zeros((1, 1, problem.num_options), dtype=np.int64))
-    return (0, problem.run_sizes[0]), (0.0, problem.static_bytes[0]), (empty, fronts[0])
+    return empty, fronts[0]
 
 
 def _rank_terms(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per rank: pinned time, memory budget left by the pinned layers, activation factor (in flight)."""
+    """Per rank: pinned time, memory budget left by the pinned layers (each rank's own limit on a
+    heterogeneous cluster), activation factor (in flight)."""
     pin_t, pin_m = np.zeros(problem.num_ranks), np.zeros(problem.num_ranks)
     f = np.asarray(problem.inflight, dtype=float)
     first, last = problem.stage_rank[0], problem.stage_rank[-1]
@@ -65,32 +67,54 @@ def _rank_terms(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarr
     pin_m[first] += problem.first_static_bytes + f[first] * problem.first_act_bytes
     pin_t[last] += problem.last_time_s
     pin_m[last] += problem.last_static_bytes + f[last] * problem.last_act_bytes
-    return pin_t, problem.mem_limit_bytes - pin_m, f
+    limits = np.array([problem.mem_limit_on(r) for r in range(problem.num_ranks)], dtype=float)
+    # the budget keeps stages.fits' tolerance (1e-9 of the limit), so what fits there fits here
+    return pin_t, limits - pin_m + 1e-9 * np.where(np.isfinite(limits), np.abs(limits), 0.0), f
 
 
-def _tables(problem: StageProblem, sizes: tuple[int, int], statics: tuple[float, float],
-            fronts: tuple[Front, Front]) -> tuple[np.ndarray, np.ndarray]:
+def _tables(problem: StageProblem, sizes: tuple[int, int], statics: tuple[float, float]
+            ) -> tuple[np.ndarray, np.ndarray, list[tuple[Front, Front]]]:
     """g[r, a, b]: the fastest time of rank r holding a blocks of run 0 and b of run 1 within its memory
-    (inf where no mix fits), and the front points [r, a, b, run] it picks. For each point of run 0's front,
-    run 1's best point is the last of its front (ascending bytes, descending time) that still fits."""
+    (inf where no mix fits), the front points [r, a, b, run] it picks, and each rank's fronts (ranks of
+    one device kind share them)."""
     pin_t, budget, f = _rank_terms(problem)
-    (act0, time0, _), (act1, time1, _) = fronts
     n0, n1 = sizes
     g = np.full((problem.num_ranks, n0 + 1, n1 + 1), np.inf)
     pick = np.zeros((problem.num_ranks, n0 + 1, n1 + 1, 2), dtype=np.int64)
+    kinds: dict[tuple, list[int]] = {}
+    for r in range(problem.num_ranks):
+        kinds.setdefault(tuple(problem.time_on(r)), []).append(r)
+    fronts_of: list[tuple[Front, Front]] = [None] * problem.num_ranks  # type: ignore[list-item]
+    for times, ranks in kinds.items():
+        fronts = _runs(problem, times)
+        g[ranks], pick[ranks] = _table(fronts, sizes, statics, budget[ranks], f[ranks])
+        for r in ranks:
+            fronts_of[r] = fronts
+    return g + pin_t[:, None, None], pick, fronts_of
+
+
+def _table(fronts: tuple[Front, Front], sizes: tuple[int, int], statics: tuple[float, float], budget: np.ndarray,
+           f: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """g and pick for ranks sharing `fronts`: for each point of run 0's front, run 1's best point is the
+    last of its front (ascending bytes, descending time) that still fits."""
+    (act0, time0, _), (act1, time1, _) = fronts
+    n0, n1 = sizes
+    g = np.full((len(f), n0 + 1, n1 + 1), np.inf)
+    pick = np.zeros((len(f), n0 + 1, n1 + 1, 2), dtype=np.int64)
     b = np.arange(n1 + 1)
+    finite1 = np.isfinite(act1)[None]
+    act1 = np.where(np.isfinite(act1), act1, 0.0)
     for a in range(n0 + 1):
         for p in np.nonzero(np.isfinite(act0[a]))[0].tolist():
             room = budget[:, None] - a * statics[0] - b[None, :] * statics[1] - f[:, None] * act0[a, p]  # [r, b]
-            fit = np.isfinite(act1)[None] & (f[:, None, None] * np.where(np.isfinite(act1), act1, 0.0)[None]
-                                             <= room[:, :, None] * (1 + 1e-12))
+            fit = finite1 & (f[:, None, None] * act1[None] <= room[:, :, None])
             last = fit.sum(-1) - 1  # the front ascends in bytes, so what fits is a prefix
             t = np.where(last >= 0, time1[b[None, :], np.maximum(last, 0)], np.inf) + time0[a, p]
             better = t < g[:, a, :]
             g[:, a, :] = np.where(better, t, g[:, a, :])
             pick[:, a, :, 0] = np.where(better, p, pick[:, a, :, 0])
             pick[:, a, :, 1] = np.where(better, last, pick[:, a, :, 1])
-    return g + pin_t[:, None, None], pick
+    return g, pick
 
 
 Bounds = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -158,8 +182,11 @@ def solve_balanced(problem: StageProblem) -> StageSolution | None:
     for more runs (the DP or the ILP handle those)."""
     if len(problem.run_sizes) > 2:
         raise ValueError(f"solve_balanced handles one or two runs, got {len(problem.run_sizes)}")
-    sizes, statics, fronts = _runs(problem)
-    g, pick = _tables(problem, sizes, statics, fronts)
+    if len(problem.run_sizes) == 2:
+        sizes, statics = tuple(problem.run_sizes), tuple(problem.static_bytes)
+    else:
+        sizes, statics = (0, problem.run_sizes[0]), (0.0, problem.static_bytes[0])
+    g, pick, fronts = _tables(problem, sizes, statics)
     cases = [(q, _bounds(problem, sizes, *q)) for q in _boundaries(problem, sizes)]
 
     def found(limit: float):
@@ -197,7 +224,7 @@ def _split(total: int, slots: list[int], comp: np.ndarray) -> dict[int, np.ndarr
 
 
 def _decode(problem: StageProblem, boundary: tuple[int, int], a_r: np.ndarray, b_r: np.ndarray,
-            pick: np.ndarray, fronts: tuple[Front, Front]) -> StageSolution | None:
+            pick: np.ndarray, fronts: list[tuple[Front, Front]]) -> StageSolution | None:
     q0, q1 = boundary
     r_opts = problem.num_options
     counts = np.zeros((problem.num_stages, 2, r_opts), dtype=np.int64)
@@ -206,7 +233,7 @@ def _decode(problem: StageProblem, boundary: tuple[int, int], a_r: np.ndarray, b
         mine = [q for q, rank in enumerate(problem.stage_rank) if rank == r]
         for j, (total, slots, point) in enumerate(((a_r[r], [q for q in mine if q <= q0], p0),
                                                    (b_r[r], [q for q in mine if q >= q1], p1))):
-            for q, c in _split(int(total), slots, fronts[j][2][total, point]).items():
+            for q, c in _split(int(total), slots, fronts[r][j][2][total, point]).items():
                 counts[q, j] = c
     runs = counts if len(problem.run_sizes) == 2 else counts[:, 1:]
     solution = evaluate(problem, tuple(tuple(tuple(int(x) for x in run) for run in st) for st in runs.tolist()),

@@ -3,7 +3,8 @@ r"""The stage-split and per-layer recompute ILP, solved with scipy.optimize.milp
 Data (stages.StageProblem): runs j = 0..J-1 of N_j identical blocks in model order; recompute options
 r; stages q = 0..S-1 (S = p v) on ranks rho(q) (StageProblem.stage_rank: q mod p, or a V); per block time t_jr, static bytes w_j,
 activation bytes a_jr; rank rho holds f_rho microbatches of activations; pinned first / last layers
-add (T_F, W_F, A_F) to stage 0 and (T_L, W_L, A_L) to stage S-1; memory limit M.
+add (T_F, W_F, A_F) to stage 0 and (T_L, W_L, A_L) to stage S-1; memory limit M. On heterogeneous
+devices t_jr and M are per rank, t_{rho jr} and M_rho (StageProblem.time_on / mem_limit_on).
 
 Variables: n_qjr in Z>=0 (blocks of run j in stage q with option r); b_qj in {0,1} ("run j+1 has
 started by stage q"); T >= 0 (the slowest rank's time per microbatch); U >= 0 (the slowest stage).
@@ -114,7 +115,8 @@ def _stages_of(problem: StageProblem, rank: int) -> list[int]:
 
 def _add_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> None:
     for rank in range(problem.num_ranks):
-        coeffs = {ix.n(q, j, r): problem.time_s[j][r] / scale
+        times = problem.time_on(rank)
+        coeffs = {ix.n(q, j, r): times[j][r] / scale
                   for q in _stages_of(problem, rank) for j in range(ix.j) for r in range(ix.r)}
         coeffs[ix.t] = -1.0
         m.add(coeffs, -np.inf, -_pinned(problem, rank)[0] / scale)
@@ -122,15 +124,16 @@ def _add_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> N
 
 def _add_chunk_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> None:
     for q in range(ix.s):
-        coeffs = {ix.n(q, j, r): problem.time_s[j][r] / scale for j in range(ix.j) for r in range(ix.r)}
+        times = problem.time_on(problem.stage_rank[q])
+        coeffs = {ix.n(q, j, r): times[j][r] / scale for j in range(ix.j) for r in range(ix.r)}
         coeffs[ix.u] = -1.0
         pinned = (problem.first_time_s if q == 0 else 0.0) + (problem.last_time_s if q == ix.s - 1 else 0.0)
         m.add(coeffs, -np.inf, -pinned / scale)
 
 
 def _add_memory(m: _Builder, ix: _Index, problem: StageProblem) -> None:
-    limit = problem.mem_limit_bytes
     for rank in range(problem.num_ranks):
+        limit = problem.mem_limit_on(rank)
         f = problem.inflight[rank]
         coeffs = {ix.n(q, j, r): (problem.static_bytes[j] + f * problem.act_bytes[j][r]) / limit
                   for q in _stages_of(problem, rank) for j in range(ix.j) for r in range(ix.r)}
@@ -145,7 +148,7 @@ def _objective(ix: _Index, problem: StageProblem, scale: float) -> np.ndarray:
     for q in range(ix.s):
         for j in range(ix.j):
             for r in range(ix.r):
-                c[ix.n(q, j, r)] = eps * problem.time_s[j][r] / scale
+                c[ix.n(q, j, r)] = eps * problem.time_on(problem.stage_rank[q])[j][r] / scale
     return c
 
 
@@ -160,11 +163,11 @@ def solve_ilp(problem: StageProblem, *, node_limit: int = NODE_LIMIT) -> StageSo
     """The optimal split and recompute counts (the best found within `node_limit` branch-and-bound nodes),
     or None when no split fits; RuntimeError when the solver stops at the node limit without any solution."""
     ix = _Index(problem)
-    scale = max(max(max(row) for row in problem.time_s), 1e-30)
+    scale = max(max(max(row) for rank in range(problem.num_ranks) for row in problem.time_on(rank)), 1e-30)
     builder = _Builder(ix.num_vars)
     _add_run_totals(builder, ix, problem)
     _add_nonempty(builder, ix)
-    if np.isfinite(problem.mem_limit_bytes):
+    if any(np.isfinite(problem.mem_limit_on(r)) for r in range(problem.num_ranks)):
         _add_memory(builder, ix, problem)
     _add_order(builder, ix, problem)
     _add_time(builder, ix, problem, scale)

@@ -1,7 +1,7 @@
 """A disk memo of the layer table's per-layer costs, so that a second plan on the same cluster estimates no
-layer twice: estimate_layer is a pure function of the layer, the cluster, seq_len and the key (tp, cp, ep,
-sp, microbatch, recompute), so its fields are stored per (layer, cluster, seq_len, cost code) and looked up
-by key. The code version hashes autoplan/cost, autoplan/plan and this package's surrogate (which picks the
+layer twice: estimate_layer is a pure function of the layer, the cluster, seq_len and the layer table's key
+(tp, cp, ep, sp, microbatch, recompute, etp, eep), so its fields are stored per (layer, cluster, seq_len,
+cost code) and looked up by key. The code version hashes autoplan/cost, autoplan/plan and this package's surrogate (which picks the
 fields); any edit there, or any other layer or cluster, is another entry. Entries are .npz arrays (never
 unpickled), merged with what is on disk and renamed into place (autoplan.graph.cache.replace_atomically),
 next to the graph cache (cache_root()/layer-costs; AUTOPLAN_CACHE_DIR=off disables both).
@@ -18,19 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-# mixed-radix packing of a key row (tp, cp, ep, sp, microbatch, recompute) into one int64: 10 + 16 + 12 + 1 +
-# 22 + 2 = 63 bits; rows outside these ranges are simply not cached
-_RADIX_BITS = (10, 16, 12, 1, 22, 2)
-
-
-def _pack(keys: np.ndarray) -> np.ndarray | None:
-    if len(keys) and ((keys < 0) | (keys >= 2 ** np.array(_RADIX_BITS))).any():
-        return None
-    code = np.zeros(len(keys), dtype=np.int64)
-    for i, bits in enumerate(_RADIX_BITS):
-        code = (code << bits) | keys[:, i].astype(np.int64)
-    return code
 
 
 @lru_cache(maxsize=1)
@@ -55,39 +42,51 @@ def _entry(layer: Any, cluster: Any, seq_len: int, fields: tuple[str, ...]) -> P
     return root / "layer-costs" / f"{hashlib.sha256(described.encode()).hexdigest()}.npz"
 
 
-def _read(path: Path) -> tuple[np.ndarray, np.ndarray]:
+def _read(path: Path, width: int, fields: int) -> tuple[np.ndarray, np.ndarray]:
+    """The stored (keys [n, width], values [n, fields]); empty when absent, unreadable or of another shape."""
     try:
         with np.load(path) as data:
-            return data["codes"], data["values"]
+            keys, values = data["keys"], data["values"]
+        if keys.ndim == 2 and keys.shape[1] == width and values.shape == (len(keys), fields):
+            return keys, values
     except (OSError, ValueError, KeyError):
-        return np.zeros(0, dtype=np.int64), np.zeros((0, 0))
+        pass
+    return np.zeros((0, width), dtype=np.int64), np.zeros((0, fields))
+
+
+def _match(stored: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """For each row of `keys`, the index of the equal row of `stored`, or -1."""
+    _, inverse = np.unique(np.concatenate([stored, keys]), axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    where = np.full(inverse.max(initial=-1) + 1, -1)
+    where[inverse[:len(stored)]] = np.arange(len(stored))
+    return where[inverse[len(stored):]]
 
 
 def layer_costs(layer: Any, cluster: Any, seq_len: int, fields: tuple[str, ...], keys: np.ndarray,
                 compute: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """The cost fields [n, len(fields)] of `layer` at each key row [n, 6]: from the memo where stored, else
-    compute(missing rows), which are then added to the memo."""
-    path, codes = _entry(layer, cluster, seq_len, fields), _pack(keys)
-    if path is None or codes is None:
-        return compute(keys)
-    stored_codes, stored = _read(path)
+    """The cost fields [n, len(fields)] of `layer` at each key row of `keys` [n, k]: from the memo where
+    stored, else compute(indices of the missing rows), which are then added to the memo."""
+    keys = np.asarray(keys, dtype=np.int64)
+    path = _entry(layer, cluster, seq_len, fields)
+    if path is None:
+        return compute(np.arange(len(keys)))
+    stored_keys, stored = _read(path, keys.shape[1], len(fields))
+    found = _match(stored_keys, keys)
     out = np.empty((len(keys), len(fields)))
-    hit = np.isin(codes, stored_codes) if stored.shape[1:] == (len(fields),) else np.zeros(len(keys), bool)
-    if hit.any():
-        order = np.argsort(stored_codes)
-        out[hit] = stored[order[np.searchsorted(stored_codes, codes[hit], sorter=order)]]
-    if not hit.all():
-        out[~hit] = compute(keys[~hit])
-        _add(path, codes[~hit], out[~hit])
+    out[found >= 0] = stored[found[found >= 0]]
+    missing = np.nonzero(found < 0)[0]
+    if len(missing):
+        out[missing] = compute(missing)
+        _add(path, keys[missing], out[missing])
     return out
 
 
-def _add(path: Path, codes: np.ndarray, values: np.ndarray) -> None:
+def _add(path: Path, keys: np.ndarray, values: np.ndarray) -> None:
     """Merge new rows with what is on disk now (another plan may have added some) and rename into place."""
     from autoplan.graph.cache import replace_atomically
 
-    old_codes, old = _read(path)
-    if old.shape[1:] == values.shape[1:]:
-        keep = ~np.isin(old_codes, codes)
-        codes, values = np.concatenate([old_codes[keep], codes]), np.concatenate([old[keep], values])
-    replace_atomically(path, lambda f: np.savez(f, codes=codes, values=values), binary=True)
+    old_keys, old = _read(path, keys.shape[1], values.shape[1])
+    keep = _match(keys, old_keys) < 0
+    keys, values = np.concatenate([old_keys[keep], keys]), np.concatenate([old[keep], values])
+    replace_atomically(path, lambda f: np.savez(f, keys=keys, values=values), binary=True)

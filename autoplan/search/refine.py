@@ -16,6 +16,7 @@ from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.balance import solve_balanced
+from autoplan.search.hetero import with_rank_costs
 from autoplan.search.ilp import solve_ilp
 from autoplan.search.space import SCHEDULES
 from autoplan.search.stages import StageProblem, StageSolution, evaluate, fits, solve_dp
@@ -35,7 +36,7 @@ class Layout:
 def _static_bytes(cost: Any, config: ParallelConfig) -> float:
     """Weights, gradients and optimizer states of one layer under ZeRO (Rajbhandari et al. 2020)."""
     dense_n = config.dp * config.ep * config.cp
-    shard = cost.grad_param_count / dense_n + cost.expert_param_count / (config.dp * config.cp)
+    shard = cost.grad_param_count / dense_n + cost.expert_param_count / config.expert_dp
     full = cost.param_count
     return ((shard if config.zero >= 3 else full) * WEIGHT_BYTES + (shard if config.zero >= 2 else full) * GRAD_BYTES
             + (shard if config.zero >= 1 else full) * OPTIMIZER_BYTES)
@@ -86,6 +87,8 @@ def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfi
         last_static_bytes=sum(_static_bytes(c, config) for c in pinned[1]),
         last_act_bytes=float(sum(c.act_mem_bytes for c in pinned[1])),
     )
+    # heterogeneous clusters: each rank's times and memory limit on its own node group (search/hetero.py)
+    problem = with_rank_costs(problem, graph, cluster, config, modes, cost_model, run_first, work + gathered)
     return problem, runs
 
 
@@ -122,7 +125,7 @@ def _near_ideal(problem: StageProblem, config: ParallelConfig, modes: tuple[Reco
                 cost_model: Any, tolerance: float = 0.005) -> bool:
     """Whether the balanced split with no recompute fits and is within `tolerance` of the lower bound
     (all work, with each run's fastest option, spread evenly over the ranks)."""
-    if Recompute.NONE not in modes:
+    if Recompute.NONE not in modes or problem.rank_time_s:  # unequal ranks: the even split is no bound
         return False
     total = problem.first_time_s + problem.last_time_s + sum(
         n * min(t) for n, t in zip(problem.run_sizes, problem.time_s))

@@ -15,12 +15,14 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute, Stage
+from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute
+from autoplan.search.hetero import group_notes, plan_stages
 from autoplan.search.notes import nothing_fits_message, plan_notes
 from autoplan.search.parallel import run_parts
 from autoplan.search.refine import refine
 from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space
 from autoplan.search.surrogate import Quick, quick_estimate, split_by_layer_key
+from autoplan.search.ties import fold_ties
 
 QUICK_MEM_SLACK = 1.05  # the quick memory estimate mirrors the exact one (checked to 0.1 %); the exact one decides
 SHORTLIST = 32  # candidates per round of exact estimates
@@ -51,8 +53,11 @@ def _rank_key(cand: Any) -> tuple:
     return (float(f"{est.step_time_s:.9g}"), c.cp, c.ep, c.tp, c.pp, est.peak_mem_bytes)
 
 
-def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, cost_model: Any = None) -> tuple[Plan, ...]:
-    """The top_k fitting plans, fastest first; ValueError (with the overflow and the remedies) if none fits."""
+def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, cost_model: Any = None,
+           record: dict[str, Any] | None = None) -> tuple[Plan, ...]:
+    """The top_k fitting plans, fastest first, ties folded (search.ties); ValueError (with the overflow and
+    the remedies) if none fits. `record`, when given, receives the candidates: "quick" (the quick estimate
+    of every candidate) and "exact" (the exactly estimated, fitting ones), for a Pareto plot."""
     cost = cost_model or importlib.import_module("autoplan.cost")
     with _status(options.progress) as status:
         status(f"enumerating configurations for {cluster.num_devices} devices")
@@ -64,14 +69,18 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
         found = _exact_rounds(graph, cluster, space, quick, options, cost, status)
         if options.use_ilp:
             found = _refine_best(graph, cluster, space, quick, found, options, cost, status)
+        if record is not None:
+            record.update(quick=quick, exact=list(found))
         if not found:
             raise ValueError(nothing_fits_message(graph, cluster, space, quick, options, cost))
-    ranked = sorted(found, key=_rank_key)[:options.top_k]
-    plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost) for i, cand in enumerate(ranked)]
+    ranked = fold_ties(sorted(found, key=_rank_key))[:options.top_k]
+    plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost, folded=folded)
+             for i, (cand, folded) in enumerate(ranked)]
     pairs = list(zip(plans, ranked))
 
     def noted(part: list) -> list[Plan]:
-        return [replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost)) for p, cand in part]
+        return [replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost)
+                        + group_notes(p, graph, cluster)) for p, (cand, _) in part]
 
     # the best plan's notes weigh the alternatives (exact estimates): it goes alone beside the others
     return tuple(p for part in run_parts(noted, [pairs[:1], pairs[1:]] if len(pairs) > 1 else [pairs]) for p in part)
@@ -195,12 +204,14 @@ def _dedupe(found: list[Candidate]) -> list[Candidate]:
 
 
 def _to_plan(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, cand: Candidate, *, rank: int,
-             cost: Any) -> Plan:
-    stages = cand.stages or tuple(cost.balanced_stages(graph, cand.config))
+             cost: Any, folded: tuple[str, ...] = ()) -> Plan:
+    # the split that was priced, with each stage's node group (search/hetero.py)
+    stages = plan_stages(graph, cluster, cand.config, cand.stages, cost, options.global_batch)
     return Plan(config=cand.config, estimate=cand.estimate, model_name=graph.model_name, cluster_name=cluster.name,
                 num_devices=cluster.num_devices, global_batch=options.global_batch, seq_len=graph.seq_len,
-                stages=tuple(Stage(index=i, layer_names=tuple(s)) for i, s in enumerate(stages)),
-                layer_recompute=cand.layer_recompute, rank=rank)
+                stages=stages,
+                layer_recompute=cand.layer_recompute, rank=rank, folded=folded,
+                sample_shape=() if graph.vocab_size else getattr(graph, "input_shape", ()))
 
 
 def _empty_space_message(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions) -> str:

@@ -16,10 +16,13 @@ import numpy as np
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+from autoplan.search.folding import expert_layouts, with_expert_layouts
+from autoplan.search.hetero import stage_fits_groups
 
 SCHEDULES = tuple(Schedule)
 RECOMPUTES = tuple(Recompute)
-COLUMNS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute")
+COLUMNS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute",
+           "etp", "eep")  # etp / eep: 0 = the experts follow the dense layout (MoE folding: search/folding.py)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -39,6 +42,12 @@ class SearchOptions:
     schedules: tuple[Schedule, ...] = SCHEDULES
     recompute: tuple[Recompute, ...] = RECOMPUTES
     max_virtual_stages: int = 8
+    max_tp: int | None = None  # tp at most this (with tp=None: every tp up to it)
+    # MoE parallel folding (search/folding.py): expert tensor- and expert-parallel degrees of folded
+    # candidates, beside the unfolded ones. etp defaults to 1, the folded layouts the executor runs
+    etp: tuple[int, ...] | None = (1,)
+    eep: tuple[int, ...] | None = None
+    fold_experts: bool = True
     use_ilp: bool = True  # refine per-layer recompute and the stage split of the best candidates
     progress: bool = False  # a rich status line on stderr
 
@@ -47,8 +56,12 @@ class SearchOptions:
             raise ValueError(f"global_batch must be a positive integer, got {self.global_batch!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
-        for name in ("tp", "pp", "dp", "cp", "ep", "microbatch"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "microbatch", "etp", "eep"):
             object.__setattr__(self, name, _as_degrees(name, getattr(self, name)))
+        for name in ("max_virtual_stages", "max_tp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         zero = _as_tuple(self.zero)
         for z in zero:
             if isinstance(z, bool) or z not in (0, 1, 2, 3):
@@ -106,7 +119,7 @@ def mesh_shapes(
     n, experts = cluster.num_devices, max((b.num_experts for b in graph.blocks), default=0)
     sizes = graph.divisibility_sizes()
     tps = [t for t in _allowed(divisors(cluster.devices_per_node), options.tp)
-           if _fits(graph, ParallelConfig(tp=t), sizes=sizes)]
+           if _fits(graph, ParallelConfig(tp=t), sizes=sizes) and (options.max_tp is None or t <= options.max_tp)]
     eps = [e for e in _allowed(divisors(experts) if experts else (1,), options.ep)
            if _fits(graph, ParallelConfig(ep=e), sizes=sizes)]
     cps = [c for c in _allowed(divisors(graph.seq_len), options.cp) if _fits(graph, ParallelConfig(cp=c), sizes=sizes)]
@@ -118,6 +131,8 @@ def mesh_shapes(
         for pp in _allowed(divisors(n // inner), options.pp):
             dp = n // (inner * pp)
             if options.dp is not None and dp not in options.dp:
+                continue
+            if not stage_fits_groups(cluster, dp * ep * cp * tp, tp):  # heterogeneous: search/hetero.py
                 continue
             if _fits(graph, ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), options.global_batch, sizes):
                 out.append((tp, pp, dp, cp, ep))
@@ -162,6 +177,7 @@ class Space:
             tp=c["tp"], pp=c["pp"], dp=c["dp"], cp=c["cp"], ep=c["ep"], sp=bool(c["sp"]), zero=c["zero"],
             microbatch=c["microbatch"], schedule=SCHEDULES[c["schedule"]],
             virtual_stages=c["virtual_stages"], recompute=RECOMPUTES[c["recompute"]],
+            etp=c.get("etp", 0), eep=c.get("eep", 0),
         )
 
     def take(self, index: np.ndarray) -> Space:
@@ -195,6 +211,7 @@ def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOpti
         rows[:, 8] = sched_v[:, 0]
         rows[:, 9] = sched_v[:, 1]
         rows[:, 10] = grid[:, 2]
-        blocks.append(rows)
+        rows[:, 11:] = 0
+        blocks += with_expert_layouts(rows, expert_layouts(graph, options, tp, pp, dp, cp, ep, cluster.devices_per_node))
     table = np.concatenate(blocks) if blocks else np.zeros((0, len(COLUMNS)), dtype=np.int64)
     return Space({name: table[:, i] for i, name in enumerate(COLUMNS)})

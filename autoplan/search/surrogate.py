@@ -24,8 +24,10 @@ from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
 FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work")
-_KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute")
-_CANONICAL = {"ep": 1, "recompute": 0}  # what a key column a layer does not read is set to (0: Recompute.NONE)
+_KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
+# what a key column a layer does not read is set to (recompute 0: Recompute.NONE; etp, eep 0: as tp, ep)
+_CANONICAL = {"ep": 1, "recompute": 0, "etp": 0, "eep": 0}
+_EXPERT_COLS = ("ep", "etp", "eep")  # read by layers with routed experts only
 # mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32 master, momentum, variance) bytes
 # per parameter (Rajbhandari et al., ZeRO, 2020, section 3.1)
 WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2.0, 2.0, 12.0
@@ -56,8 +58,9 @@ def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any
     """(key index per candidate, table [num_keys, num_layers, len(FIELDS)]). Each kind of layer is estimated
     once per distinct value of the key columns it depends on, then broadcast to every layer of the kind:
     (tp, cp, sp, microbatch), recompute only for blocks (the cost model recomputes BLOCK-role layers only:
-    cost/compute.layer_compute, cost/memory.other_activation_bytes), ep only for layers with routed experts
-    (nothing else in estimate_layer reads it); test_search_layer_table checks both against estimate_layer.
+    cost/compute.layer_compute, cost/memory.other_activation_bytes), ep, etp and eep only for layers with routed
+    experts (nothing else in estimate_layer reads them); test_search_layer_table checks both against
+    estimate_layer.
     Costs computed once are kept on disk (layercache.layer_costs), so a later plan on the cluster reuses them."""
     _, first_row, key_of = np.unique(_codes(space, _KEY_COLS), return_index=True, return_inverse=True)
     kinds = graph.kinds()
@@ -70,9 +73,13 @@ def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any
         _, rows, inverse = np.unique(_codes(space, cols, first_row), return_index=True, return_inverse=True)
         keys = np.stack([space.columns[c][first_row[rows]] if c in cols else np.full(len(rows), _CANONICAL[c])
                          for c in _KEY_COLS], axis=1)
+        # dp: any valid one (a layer's cost does not depend on it; folded expert degrees need the stage's ranks)
+        dps = space.columns["dp"][first_row[rows]]
 
-        def compute(missing: np.ndarray, layer: Any = layer) -> np.ndarray:
-            return np.array([_fields(_estimate(layer, cluster, key, graph, cost)) for key in missing.tolist()])
+        def compute(missing: np.ndarray, layer: Any = layer, keys: np.ndarray = keys, dps: np.ndarray = dps
+                    ) -> np.ndarray:
+            return np.array([_fields(_estimate(layer, cluster, keys[i].tolist(), int(dps[i]), graph, cost))
+                             for i in missing.tolist()])
 
         values = layer_costs(layer, cluster, graph.seq_len, FIELDS, keys, compute)
         per_kind[:, k] = values[inverse.reshape(-1)]
@@ -83,7 +90,7 @@ def split_by_layer_key(space: Space, parts: int) -> list[np.ndarray]:
     """The candidate rows in `parts` pieces, each holding whole groups of (tp, cp, sp, microbatch), the key
     columns every kind of layer reads (so no layer cost is estimated in two pieces), balanced by row count:
     groups by size, largest first, each to the lightest piece so far."""
-    shared = tuple(c for c in _KEY_COLS if c not in ("ep", "recompute"))
+    shared = tuple(c for c in _KEY_COLS if c not in _CANONICAL)
     _, group_of, counts = np.unique(_codes(space, shared), return_inverse=True, return_counts=True)
     load, owner = np.zeros(parts), np.empty(len(counts), dtype=np.int64)
     for group in np.argsort(-counts, kind="stable").tolist():
@@ -95,14 +102,15 @@ def split_by_layer_key(space: Space, parts: int) -> list[np.ndarray]:
 
 def _key_cols(layer: Any) -> tuple[str, ...]:
     """The key columns estimate_layer reads for this layer (see layer_table)."""
-    skip = {"ep"} if not layer.num_experts else set()
+    skip = set(_EXPERT_COLS) if not layer.num_experts else set()
     skip |= {"recompute"} if layer.role is not LayerRole.BLOCK else set()
     return tuple(c for c in _KEY_COLS if c not in skip)
 
 
-def _estimate(layer: Any, cluster: ClusterSpec, key: list[int], graph: LayerGraph, cost: Any) -> Any:
-    tp, cp, ep, sp, mb, rec = key
-    config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=RECOMPUTES[rec])
+def _estimate(layer: Any, cluster: ClusterSpec, key: list[int], dp: int, graph: LayerGraph, cost: Any) -> Any:
+    tp, cp, ep, sp, mb, rec, etp, eep = key
+    config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=RECOMPUTES[rec], dp=dp,
+                            etp=etp, eep=eep)
     return cost.estimate_layer(layer, cluster, config, RECOMPUTES[rec], seq_len=graph.seq_len)
 
 
@@ -150,17 +158,18 @@ def comm_lines(space: Space, cluster: ClusterSpec, cost: Any) -> dict[str, tuple
     the cost model's own functions (two sizes per unique mesh; exact for its ring formulas)."""
     c = space.columns
     code = np.zeros(len(space), dtype=np.int64)
-    for col in ("pp", "dp", "ep", "cp", "tp"):
+    for col in ("pp", "dp", "ep", "cp", "tp", "etp", "eep"):
         code = code * (int(c[col].max(initial=0)) + 1) + c[col]
     _, first_row, inverse = np.unique(code, return_index=True, return_inverse=True)
-    uniq = [tuple(int(c[k][r]) for k in ("pp", "dp", "ep", "cp", "tp")) for r in first_row.tolist()]
+    uniq = [tuple(int(c[k][r]) for k in ("pp", "dp", "ep", "cp", "tp", "etp", "eep")) for r in first_row.tolist()]
     lines = np.zeros((len(uniq), len(_COMM), 2))
     s1, s2 = 1e8, 2e8
     dpn = cluster.devices_per_node
-    for i, sizes in enumerate(uniq):
-        dense = _placement(sizes, ("dp", "ep", "cp"), dpn, cost)
-        expert = _placement(sizes, ("dp", "cp"), dpn, cost)
-        cross = _placement(sizes, ("pp",), dpn, cost).crosses_nodes
+    for i, (*sizes, etp, eep) in enumerate(uniq):
+        dense = _placement(tuple(sizes), ("dp", "ep", "cp"), dpn, cost)
+        pp, dp, ep, cp, tp = sizes  # the experts' data-parallel group, folded or not (cost.experts)
+        expert = cost.expert_dp_placement(ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp, etp=etp, eep=eep), dpn)
+        cross = _placement(tuple(sizes), ("pp",), dpn, cost).crosses_nodes
         calls = ((cost.all_reduce_s, dense), (cost.reduce_scatter_s, dense), (cost.all_gather_s, dense),
                  (cost.all_reduce_s, expert), (cost.reduce_scatter_s, expert), (cost.all_gather_s, expert),
                  (cost.p2p_s, cross))
@@ -266,7 +275,9 @@ def _assemble(per_rank: np.ndarray, layers_per_rank: np.ndarray, extra: dict[str
     dp_tail = np.where(c["zero"] <= 1, np.maximum((tail - offsets).max(axis=1), 0.0), 0.0)
     # ZeRO-1/2: all-gather the updated 16-bit weights after the optimizer step (exposed)
     param_gather = np.where((c["zero"] == 1) | (c["zero"] == 2), gather.max(axis=1), 0.0)
-    dense_n, expert_n = c["dp"] * c["ep"] * c["cp"], c["dp"] * c["cp"]
+    dense_n = c["dp"] * c["ep"] * c["cp"]
+    # ParallelConfig.expert_dp: dp * cp unfolded, the stage's ranks over etp * eep when folded
+    expert_n = dense_n * c["tp"] // (np.where(c["etp"] > 0, c["etp"], c["tp"]) * np.where(c["eep"] > 0, c["eep"], c["ep"]))
     shard = f["dense_params"] / dense_n[:, None] + f["expert_params"] / expert_n[:, None]
     local = np.where(z >= 1, shard, f["params"]).max(axis=1)
     optimizer_s = local * ADAM_BYTES / (cluster.device.mem_bw_bytes_per_s * cluster.device.mem_bw_efficiency)

@@ -262,3 +262,21 @@ def test_bad_token_files_say_what_to_change(tmp_path) -> None:
         load_tokens(str(tmp_path / "x.csv"), vocab_size=128, seq_len=8)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokens(str(tmp_path / "missing.npy"), vocab_size=128, seq_len=8)
+
+
+def test_token_files_of_large_vocabularies_and_long_streams(tmp_path, monkeypatch) -> None:
+    """.bin holds uint32 ids for vocabularies over 65,536 (Llama 3's 128,256); a stream longer than
+    IN_MEMORY_TOKENS stays memory-mapped and yields the same windows as the in-memory copy."""
+    import numpy as np
+
+    from autoplan.execute import data
+
+    ids = (np.arange(3000, dtype=np.uint32) * 41) % 128_256
+    ids.tofile(tmp_path / "t.bin")
+    tokens = data.load_tokens(str(tmp_path / "t.bin"), vocab_size=128_256, seq_len=16)
+    assert torch.equal(tokens, torch.from_numpy(ids.astype(np.int64)))
+    monkeypatch.setattr(data, "IN_MEMORY_TOKENS", 1000)
+    mapped = data.load_tokens(str(tmp_path / "t.bin"), vocab_size=128_256, seq_len=16)
+    assert isinstance(mapped, data.MappedTokens) and mapped.numel() == 3000
+    assert torch.equal(data.sample_windows(mapped, 3, 1, global_batch=4, seq_len=16),
+                       data.sample_windows(tokens, 3, 1, global_batch=4, seq_len=16))

@@ -60,7 +60,9 @@ def test_plans_print_as_a_ranked_table() -> None:
     graph = gpt_graph(h=256, a=4, layers=4, seq=128, vocab=512)
     plans = autoplan.autoplan(graph, a100_cluster(1, per_node=4), global_batch=8, seq_len=128, top_k=3)
     text = str(plans)
-    for column in ("tp", "pp", "dp", "zero", "schedule", "recompute", "step s", "tokens/s", "MFU", "mem GiB"):
+    for column in ("tp", "pp", "dp", "ZeRO", "micro-batch", "schedule", "recompute", "step s", "tokens/s", "MFU",
+                   "GiB/device"):
         assert column in text
     assert [p.rank for p in plans] == [1, 2, 3] and plans.best is plans[0]
-    assert f"{plans[0].estimate.step_time_s:.3f}" in text
+    step = plans[0].estimate.step_time_s
+    assert (f"{step:.3f}" if step >= 0.01 else f"{step:.3g}") in text
