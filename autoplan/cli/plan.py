@@ -1,4 +1,5 @@
-"""`autoplan plan`, `autoplan estimate`, `autoplan models`, `autoplan clusters`: flags -> the API.
+"""`autoplan plan`, `autoplan estimate`, `autoplan models`, `autoplan clusters`, `autoplan engines`: flags ->
+the API.
 
 `autoplan plan` takes one flag per SearchOptions field (SEARCH_FLAGS) and writes the outputs a user asks
 for: --json (every ranked plan), --csv, --pareto (PNG) and --export ENGINE FILE (the best plan).
@@ -53,6 +54,14 @@ def _add_job_flags(parser: argparse.ArgumentParser, *, need_batch: bool = True) 
     parser.add_argument("--global-batch", dest="global_batch", type=int, required=need_batch,
                         help="sequences per optimizer step")
     parser.add_argument("--seq-len", dest="seq_len", type=int, required=True, help="tokens per sequence")
+    add_engine_flag(parser)
+
+
+def add_engine_flag(parser: argparse.ArgumentParser) -> None:
+    """--engine NAME|PATH: the training engine the estimate is for (see `autoplan engines`)."""
+    parser.add_argument("--engine", default=None, metavar="NAME|PATH",
+                        help="training engine the plan is priced for: a shipped name (see `autoplan engines`) "
+                             "or an engine YAML file (default: autoplan's own executor)")
 
 
 # SearchOptions field -> its `autoplan plan` flag: one flag per field, nothing else (a test checks it)
@@ -146,6 +155,8 @@ def register(subparsers: Any) -> None:
     m.set_defaults(func=cmd_models)
     c = subparsers.add_parser("clusters", help="list the cluster profiles")
     c.set_defaults(func=cmd_clusters)
+    g = subparsers.add_parser("engines", help="list the shipped training engines")
+    g.set_defaults(func=cmd_engines)
 
 
 def _cluster(args: argparse.Namespace) -> Any:
@@ -157,6 +168,13 @@ def _cluster(args: argparse.Namespace) -> Any:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {value}")
     extra = {"devices_per_node": args.devices_per_node} if args.devices_per_node else {}
     return load_cluster(args.cluster, num_nodes=args.nodes, **extra)
+
+
+def _engine(args: argparse.Namespace) -> Any:
+    """The --engine flag as an Engine (ValueError, one line, for an unknown name or a bad file)."""
+    from autoplan.plan.engine import as_engine
+
+    return as_engine(getattr(args, "engine", None))
 
 
 def _print(renderable: Any) -> None:
@@ -180,7 +198,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _check_outputs(args)
     options = search_options(args)
     cluster = _cluster(args)
-    plans = autoplan(args.model, cluster, seq_len=args.seq_len, **options)
+    plans = autoplan(args.model, cluster, seq_len=args.seq_len, engine=_engine(args), **options)
     _print(plans.table())
     print(plans[0].explain())
     _write_outputs(args, plans)
@@ -214,7 +232,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     cluster = _cluster(args)
     config = config_from_args(args, cluster.num_devices)
-    est = estimate(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
+    est = estimate(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len,
+                   engine=_engine(args))
     devices = (" + ".join(f"{g.num_devices} x {g.spec.device.name}" for g in cluster.groups) if cluster.groups
                else f"{cluster.num_devices} x {cluster.device.name}")
     print(f"{args.model} on {devices}, global batch {args.global_batch}, seq {args.seq_len}")
@@ -252,4 +271,15 @@ def cmd_clusters(args: argparse.Namespace) -> int:
             continue
         print(f"{name:<16} {c.device.name:<18} {c.devices_per_node} per node, {c.device.mem_bytes / _GIB:.0f} GiB, "
               f"{c.intra_node.name} / {c.inter_node.name}")
+    return 0
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    from autoplan.plan.engine import Engine
+
+    print(f"{'name':<14} {'attention':<9} {'zero3':<9} {'tp overlap':<10} {'dp overlap':<10} description")
+    for name in Engine.names():
+        e = Engine.load(name)
+        print(f"{name:<14} {e.attention:<9} {e.zero3:<9} {str(e.tp_comm_overlap).lower():<10} "
+              f"{str(e.dp_comm_overlap).lower():<10} {e.description}")
     return 0

@@ -9,7 +9,7 @@ import json
 import sys
 from typing import Any
 
-from autoplan.cli.plan import add_config_flags, config_from_args
+from autoplan.cli.plan import add_config_flags, add_engine_flag, config_from_args
 
 _LAUNCHER_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_backend", "rdzv_id", "master_addr", "master_port")
 
@@ -41,6 +41,7 @@ def register(subparsers: Any) -> None:
                    help="profile the prediction is made on, with the config flags (default: local-cpu without "
                         "CUDA, else dgx-h100-80gb); a plan JSON carries its own prediction")
     add_config_flags(p)
+    add_engine_flag(p)
     nodes = p.add_argument_group("multi-node (passed to torchrun)")
     for name in _LAUNCHER_FLAGS:
         nodes.add_argument("--" + name.replace("_", "-"), dest=name, default=None)
@@ -75,7 +76,8 @@ def _predicted_plan(args: argparse.Namespace, config: Any, nnodes: int) -> Any:
     if rest:
         raise ValueError(f"{config.num_devices} ranks do not split evenly over --nnodes {nnodes}")
     cluster = Cluster.load(name, num_nodes=nnodes, devices_per_node=per_node)
-    return plan_for(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len)
+    return plan_for(args.model, cluster, config, global_batch=args.global_batch, seq_len=args.seq_len,
+                    engine=getattr(args, "engine", None))
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -36,20 +36,27 @@ _FRACTIONS = frozenset(
         "p2p_bw_fraction",
     }
 )
-_INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes"})
+_INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes", "num_sms", "nccl_sms"})
+_BOOLEANS = frozenset({"gemm_epilogue_overlap"})
 
 
-def profile_dirs() -> tuple[Path, ...]:
-    """Where shipped profiles may live, in order: the source checkout (or editable install), then the
-    wheel's data directory (pyproject's data-files put them under <prefix>/share/autoplan/profiles)."""
-    candidates = [Path(__file__).resolve().parents[2] / "profiles"]
+def shipped_dirs(folder: str) -> tuple[Path, ...]:
+    """Where a shipped data folder ("profiles", "engines") may live, in order: the source checkout (or
+    editable install), then the wheel's data directory (pyproject's data-files put it under
+    <prefix>/share/autoplan/<folder>)."""
+    candidates = [Path(__file__).resolve().parents[2] / folder]
     for scheme in (None, f"{os.name}_user"):
         try:
             data = sysconfig.get_path("data") if scheme is None else sysconfig.get_path("data", scheme)
         except KeyError:
             continue
-        candidates.append(Path(data) / "share" / "autoplan" / "profiles")
+        candidates.append(Path(data) / "share" / "autoplan" / folder)
     return tuple(dict.fromkeys(candidates))
+
+
+def profile_dirs() -> tuple[Path, ...]:
+    """Where shipped profiles may live (shipped_dirs("profiles"))."""
+    return shipped_dirs("profiles")
 
 
 def _shipped() -> dict[str, Path]:
@@ -129,6 +136,11 @@ def _parse_device(data: Any, path: str) -> DeviceSpec:
     values["peak_flops"] = tuple((d, _number(peaks[d], f"device.peak_flops.{d}", path)) for d in DTYPES)
     for key in data:
         if key in ("name", "peak_flops"):
+            continue
+        if key in _BOOLEANS:
+            if not isinstance(data[key], bool):
+                raise ValueError(f"{path}: field 'device.{key}' must be true or false, got {data[key]!r}")
+            values[key] = data[key]
             continue
         number = _number(data[key], f"device.{key}", path, allow_zero=key in _optional_fields(DeviceSpec))
         values[key] = int(number) if key in _INTEGERS else number

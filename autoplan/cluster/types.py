@@ -29,6 +29,16 @@ class DeviceSpec:
     # host time to issue one framework op (Python + dispatcher + kernel launch); a layer whose ops take
     # longer to issue than to run leaves the device idle. 0 = never host-bound (added by the cost model)
     op_overhead_s: float = 0.0
+    # streaming multiprocessors (0: not a GPU; matmuls then follow the matmul_half_size_flops curve). GEMM
+    # tiles and FlashAttention blocks are scheduled over them in waves (NVIDIA "Matrix Multiplication
+    # Background User's Guide", section 3.2 wave quantization)
+    num_sms: int = 0
+    # SMs one in-flight NCCL collective occupies (one thread block per channel): compute overlapped with it
+    # runs on the others (0: no contention modelled)
+    nccl_sms: int = 0
+    # GEMM kernels overlap a tile's epilogue (the C write) with the next tile's mainloop (persistent,
+    # warp-specialised kernels: CUTLASS 3 / cuBLAS on Hopper); False: the C traffic adds (one tile per SM)
+    gemm_epilogue_overlap: bool = False
 
     def peak(self, dtype: str = "bf16") -> float:
         table = dict(self.peak_flops)
@@ -47,6 +57,13 @@ class LinkSpec:
     allreduce_busbw_fraction: float  # nccl-tests bus bandwidth reached by large all-reduces / bw
     alltoall_bw_fraction: float  # algorithm bandwidth of large all-to-alls / bw
     p2p_bw_fraction: float  # send/recv bandwidth / bw
+    # NCCL's cost model for large messages (Simple protocol; src/graph/tuning.cc): a fixed latency per
+    # collective and a latency per ring step; latency_s above is the small-message (LL) per-step latency.
+    # 0 = use latency_s for every protocol (no protocol choice modelled)
+    simple_latency_s: float = 0.0
+    base_latency_s: float = 0.0
+    # NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws; 0 = no cap)
+    ll_max_bw_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -4,6 +4,7 @@ memory and where the time goes. No torch; see each module's docstrings for the s
 
 from __future__ import annotations
 
+from autoplan.cost.bound import EngineCost, with_engine
 from autoplan.cost.comm import (
     all_gather_s,
     all_reduce_s,
@@ -17,7 +18,12 @@ from autoplan.cost.estimate import ADAM_BYTES_PER_PARAM, estimate_config
 from autoplan.cost.experts import expert_dp_placement, expert_placement
 from autoplan.cost.hetero import default_split, rank_clusters, rank_groups, stage_rank_errors
 from autoplan.cost.layer import estimate_layer
-from autoplan.cost.memory import block_activation_bytes, model_state_bytes
+from autoplan.cost.memory import (
+    block_activation_bytes,
+    fixed_memory_bytes,
+    layer_state_bytes,
+    model_state_bytes,
+)
 from autoplan.cost.overlap import exposed_s, overlapped_s
 from autoplan.cost.pipeline import bubble_fraction, in_flight_microbatches, pipeline_time_s
 from autoplan.cost.stages import balanced_stages, check_config
@@ -32,6 +38,7 @@ def stage_time_s(costs: list[LayerCost] | tuple[LayerCost, ...]) -> float:
 
 __all__ = [
     "ADAM_BYTES_PER_PARAM",
+    "EngineCost",
     "GroupPlacement",
     "LayerCost",
     "all_gather_s",
@@ -47,8 +54,10 @@ __all__ = [
     "expert_dp_placement",
     "expert_placement",
     "exposed_s",
+    "fixed_memory_bytes",
     "group_placement",
     "in_flight_microbatches",
+    "layer_state_bytes",
     "matmul_efficiency",
     "matmul_time_s",
     "memory_time_s",
@@ -61,4 +70,5 @@ __all__ = [
     "reduce_scatter_s",
     "stage_rank_errors",
     "stage_time_s",
+    "with_engine",
 ]

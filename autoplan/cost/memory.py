@@ -4,9 +4,15 @@ Adam and ZeRO (Rajbhandari et al. 2020), and the parameters each device holds af
 
 from __future__ import annotations
 
+from typing import Any
+
+from autoplan.cluster.types import ClusterSpec
 from autoplan.cost.compute import BlockShape
+from autoplan.cost.pipeline import in_flight_microbatches
 from autoplan.graph.types import Layer, LayerRole
-from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.plan.engine import Engine
+from autoplan.plan.layout import ZeroLayout, zero_layout
+from autoplan.plan.types import MemoryBreakdown, ParallelConfig, Recompute
 
 # Mixed-precision Adam, bytes per parameter (Rajbhandari et al., ZeRO, SC'20, section 3.1): 16-bit
 # weights (2) and gradients (2); fp32 master weights, momentum and variance (4 + 4 + 4 = 12). We keep
@@ -15,10 +21,15 @@ from autoplan.plan.types import ParallelConfig, Recompute
 WEIGHT_BYTES_PER_PARAM = 2
 GRAD_BYTES_PER_PARAM = 2
 OPTIMIZER_BYTES_PER_PARAM = 12
+# NCCL's staging buffers: NCCL_BUFFSIZE defaults to 4 MiB per channel and direction (NCCL environment
+# variables documentation, NCCL_BUFFSIZE); a ring communicator has a send and a receive connection per
+# channel, so 2 x channels x 4 MiB, the channels being the thread blocks of device.nccl_sms.
+NCCL_BUFFER_BYTES = 4 * 2**20
 
 
 def block_activation_bytes(shape: BlockShape, b: float, s: int, config: ParallelConfig,
-                           recompute: Recompute, dtype_bytes: int, scores_materialised: bool) -> tuple[float, float]:
+                           recompute: Recompute, dtype_bytes: int, scores_materialised: bool, *,
+                           selective: str = "attention") -> tuple[float, float]:
     """(held per microbatch, working extra during its backward) for one transformer block, bytes.
 
     Korthikanti et al. 2022, section 4.1 / Table 2, 16-bit activations, s tokens (s / cp per CP rank),
@@ -31,7 +42,12 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     output 2, dropout mask 1, dropout output 2) only when the kernel materialises them
     (FlashAttention does not). MHA with f = 4h gives 10h + 24h/t, as in the paper.
     Selective recompute drops the 5 a s / h term; full keeps only the block input 2 s b h (/t with SP)
-    and re-materialises one block's activations during its backward (the working extra)."""
+    and re-materialises one block's activations during its backward (the working extra).
+    `selective` 'op' is torchtitan's per-op selective checkpointing instead (torchtitan
+    parallelisms/parallelize_llama.py, 2024: no_recompute_list = mm, SDPA, reduce_scatter, "except every
+    second mm"): the block input (h), the outputs of the 1st, 3rd, 5th and 7th matmuls (Q h, V h g / a,
+    the first MLP projection f, the MLP output h) and the SDPA output (h) are kept; the rest is
+    recomputed in the backward (the working extra)."""
     t, cp = config.tp, config.cp
     tokens = b * s / cp
     h_split = t if config.sp else 1
@@ -49,6 +65,9 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     full = tokens * (per_token + scores)
     if recompute is Recompute.NONE:
         return full, 0.0
+    if recompute is Recompute.SELECTIVE and selective == "op":
+        kept = (2.0 * shape.h / h_split + (2.0 * shape.h + shape.h * shape.g / shape.a + shape.f) / t) * dtype_bytes
+        return min(tokens * kept, full), max(full - tokens * kept, 0.0)
     if recompute is Recompute.SELECTIVE:
         return tokens * per_token, tokens * scores
     return tokens * 2.0 * shape.h / h_split * dtype_bytes / 2.0, full
@@ -94,20 +113,121 @@ def layer_param_counts(layer: Layer, shape: BlockShape | None, config: ParallelC
     return dense_held + expert_held, dense_held, expert_held
 
 
-def model_state_bytes(dense_params: float, expert_params: float, config: ParallelConfig) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer states) bytes for the parameters a device holds.
+def state_bytes_per_param(dtype: str, engine: Engine | None = None) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer) bytes per parameter under mixed-precision Adam (Rajbhandari et al.
+    2020, section 3.1): 16-bit weights and gradients, fp32 master weights + momentum + variance (12).
+    fp8 recipes keep 16-bit weights (Transformer Engine casts per GEMM); fp32 / tf32 training keeps fp32
+    weights and gradients and Adam's two fp32 moments only (the weights are the master copy: 8). An
+    engine with main_grads_fp32 accumulates bf16 / fp8 training's gradients in an fp32 buffer (Megatron's
+    main_grad: 4 bytes)."""
+    if dtype in ("fp32", "tf32"):
+        return 4.0, 4.0, 8.0
+    grad = 4.0 if engine is not None and engine.main_grads_fp32 and dtype in ("bf16", "fp8") else GRAD_BYTES_PER_PARAM
+    return float(WEIGHT_BYTES_PER_PARAM), float(grad), float(OPTIMIZER_BYTES_PER_PARAM)
 
-    ZeRO stage z (Rajbhandari et al. 2020): z >= 1 divides the 12 optimizer bytes by the data-parallel
-    degree, z >= 2 also the gradients, z = 3 also the weights. Dense parameters are replicated over
-    dp * ep * cp ranks, expert parameters over config.expert_dp (dp * cp unfolded), and ZeRO shards each
-    over its own group."""
+
+def model_state_bytes(dense_params: float, expert_params: float, config: ParallelConfig, *,
+                      layout: ZeroLayout | None = None, dtype: str = "bf16",
+                      engine: Engine | None = None) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes for the parameters a device holds, at the step's peak.
+
+    What is sharded comes from the ZeRO layout of the engine that runs the plan (plan.layout.zero_layout;
+    default: its layout for config with the engine's FSDP behaviour): sharded states are divided by the
+    data-parallel degree, dense parameters over dp * ep * cp, expert parameters over dp * cp
+    (Rajbhandari et al. 2020: ZeRO-1 the optimizer, ZeRO-2 also the gradients, ZeRO-3 also the weights)."""
+    engine = engine or Engine()
+    if layout is None:
+        layout = zero_layout(config, 1, zero3=engine.zero3,
+                             pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
     d_dense = config.dp * config.ep * config.cp
-    d_expert = config.expert_dp
+    d_expert = config.expert_dp  # dp * cp unfolded (MoE folding: plan.types.ParallelConfig.expert_dp)
+    w, g, o = state_bytes_per_param(dtype, engine)
 
-    def shard(stage: int) -> float:
-        if config.zero >= stage:
+    def held(sharded: bool) -> float:
+        if sharded:
             return dense_params / d_dense + expert_params / d_expert
         return dense_params + expert_params
 
-    return (WEIGHT_BYTES_PER_PARAM * shard(3), GRAD_BYTES_PER_PARAM * shard(2),
-            OPTIMIZER_BYTES_PER_PARAM * shard(1))
+    return w * held(layout.shards_weights), g * held(layout.shards_gradients), o * held(layout.shards_optimizer)
+
+
+def nccl_buffer_bytes(config: ParallelConfig, cluster: ClusterSpec) -> float:
+    """NCCL buffers of the communicators a rank belongs to (NCCL_BUFFER_BYTES each way per channel):
+    one per mesh axis of size > 1 (tp, cp, ep, pp) and the data-parallel ones (dense over dp * ep * cp,
+    experts over their data-parallel group, ParallelConfig.expert_dp, when ep > 1 or folded). Zero on a profile without NCCL channels (a CPU profile)."""
+    channels = cluster.device.nccl_sms
+    if channels <= 0:
+        return 0.0
+    sizes = [config.tp, config.cp, config.ep, config.pp, config.dp * config.ep * config.cp]
+    if config.ep > 1 or config.folded:
+        sizes.append(config.expert_dp)
+    return sum(1 for n in sizes if n > 1) * 2.0 * channels * NCCL_BUFFER_BYTES
+
+
+def zero3_working_bytes(rank: Any, layout: ZeroLayout, engine: Engine, dtype: str, wire_bytes: float,
+                        deepspeed: bool) -> float:
+    """Gathered weights and gradient buffers ZeRO-3 holds beyond the shards, at the backward's peak.
+
+    FSDP2 (torch.distributed.fsdp fully_shard, _fsdp_collectives.py): foreach_all_gather writes each
+    block's unsharded parameters into an all-gather output of world x shard elements; the computing block
+    and the prefetched one are unsharded at once (2 blocks in the training dtype); foreach_reduce copies a
+    block's unsharded gradients (training dtype) into a reduce-scatter input in the reduce dtype.
+    DeepSpeed stage 3: the gathered parameter and torch's flattened all_gather output (2 x the largest
+    parameter) plus the prefetched one, and the gradient bucket (reduce_bucket_size elements) with its
+    flat copy (buffered_reduce_fallback), in the training dtype."""
+    w, _, _ = state_bytes_per_param(dtype, engine)
+    if deepspeed:
+        return 3.0 * rank.max_param_numel * w + 2.0 * engine.zero3_reduce_bucket_numel * w
+    if not layout.shards_weights:
+        return 0.0
+    return rank.max_layer_params * (2.0 * w + w + (wire_bytes if wire_bytes != w else 0.0))
+
+
+def rank_memory(rank: Any, index: int, cluster: ClusterSpec, config: ParallelConfig, m: int, *,
+                layout: ZeroLayout, engine: Engine, groups: Any, deepspeed: bool) -> MemoryBreakdown:
+    """Peak bytes on pipeline rank `index`: model states (model_state_bytes under the engine's ZeRO
+    layout), ZeRO-3's working set (zero3_working_bytes), activations held for in-flight microbatches
+    (pipeline.in_flight_microbatches) plus one layer's backward working set (the re-materialised
+    activations under recompute), NCCL's buffers (nccl_buffer_bytes) and the profile's runtime reserve
+    (CUDA context, library workspaces, allocator fragmentation)."""
+    from autoplan.cost.dataparallel import grad_wire_bytes
+
+    weights, grads, optimizer = model_state_bytes(rank.dense_params, rank.expert_params, config, layout=layout,
+                                                  dtype=cluster.dtype, engine=engine)
+    wire = grad_wire_bytes(cluster.dtype, engine)
+    weights += zero3_working_bytes(rank, layout, engine, cluster.dtype, wire, deepspeed)
+    in_flight = in_flight_microbatches(config.schedule, config.pp, config.virtual_stages, m, index)
+    acts = rank.act_bytes * in_flight + rank.work_bytes
+    reserve = cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster)
+    return MemoryBreakdown(weights=int(weights), gradients=int(grads), optimizer=int(optimizer),
+                           activations=int(acts), reserve=int(reserve))
+
+
+def layer_state_bytes(cost: Any, config: ParallelConfig, *, dtype: str, engine: Engine | None = None) -> float:
+    """Weights + gradients + optimizer states of one layer's parameters on a device (model_state_bytes
+    under the engine's ZeRO layout): the per-layer term the stage split and per-layer recompute solve
+    with (search/refine.py)."""
+    return sum(model_state_bytes(cost.grad_param_count, cost.expert_param_count, config, dtype=dtype, engine=engine))
+
+
+def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_layer_params: float,
+                       max_param_numel: float, engine: Engine | None = None) -> float:
+    """What every rank holds beyond its layers' states and activations: the runtime reserve, NCCL's
+    buffers and ZeRO-3's working set (rank_memory's other terms, for a rank whose largest layer has
+    max_layer_params parameters and largest weight max_param_numel)."""
+    from autoplan.cost.dataparallel import grad_wire_bytes
+
+    engine = engine or Engine()
+    layout = zero_layout(config, 1, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
+    deepspeed = config.zero == 3 and engine.zero3 == "deepspeed" and config.dp * config.ep * config.cp > 1
+    rank = _Largest(max_layer_params=max_layer_params, max_param_numel=max_param_numel)
+    working = zero3_working_bytes(rank, layout, engine, cluster.dtype, grad_wire_bytes(cluster.dtype, engine), deepspeed)
+    return cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster) + working
+
+
+class _Largest:
+    """The two maxima zero3_working_bytes reads off a rank."""
+
+    def __init__(self, *, max_layer_params: float, max_param_numel: float) -> None:
+        self.max_layer_params = max_layer_params
+        self.max_param_numel = max_param_numel

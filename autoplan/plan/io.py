@@ -13,12 +13,20 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from autoplan.plan.engine import Engine
 from autoplan.plan.types import Estimate, ParallelConfig, Plan, Stage
 
 SCHEMA_VERSION = 1
 
 
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    out = _plan_dict(plan)
+    if plan.engine is not None:  # additive key: plans without an engine serialise as before
+        out["engine"] = plan.engine.to_dict()
+    return out
+
+
+def _plan_dict(plan: Plan) -> dict[str, Any]:
     return {
         "schema_version": SCHEMA_VERSION,
         "model_name": plan.model_name,
@@ -59,6 +67,7 @@ def plan_from_dict(data: dict[str, Any]) -> Plan:
             layer_recompute=tuple((n, r) for n, r in data.get("layer_recompute", ())),
             rank=data.get("rank", 0),
             notes=tuple(data.get("notes", ())),
+            engine=Engine.from_dict(data["engine"]) if data.get("engine") is not None else None,
             folded=tuple(data.get("folded", ())),
             sample_shape=tuple(data.get("sample_shape", ())),
             fingerprint=str(data.get("fingerprint", "")),

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from autoplan.plan.engine import Engine
+
 
 class _StrEnum(str, Enum):
     """`enum.StrEnum` for Python 3.10: members compare equal to their string values."""
@@ -337,6 +339,7 @@ class Plan:
     sample_shape: tuple[int, ...] = ()
     # graph.fingerprint.model_fingerprint of the model the plan was made for ("": unknown, not checked)
     fingerprint: str = ""
+    engine: Engine | None = None  # the engine the estimate was made for (None: not recorded, older plans)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))

@@ -15,6 +15,7 @@ from typing import Any
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
+from autoplan.plan.engine import Engine, as_engine
 from autoplan.plan.types import Estimate, ParallelConfig, Plan
 from autoplan.search.search import search
 from autoplan.search.space import SearchOptions
@@ -188,19 +189,25 @@ def _split_options(options: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
             {k: v for k, v in options.items() if k in _CLUSTER_OPTIONS})
 
 
-def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k: int = 5, **options: Any) -> Plans:
+def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k: int = 5,
+             engine: Engine | str | Path | None = None, **options: Any) -> Plans:
     """The top_k fastest plans that fit, best first. Options: the SearchOptions fields (tp=8 or tp=(4, 8)
     fixes or restricts a degree; zero, sp, schedules, recompute, microbatch, use_ilp, progress) and
-    num_nodes / devices_per_node for a cluster given by name."""
+    num_nodes / devices_per_node for a cluster given by name. `engine` (an Engine, a shipped engine name
+    or an engine YAML path; default autoplan's own executor) is what the plans are priced for; each Plan
+    records it."""
     _check_size("global_batch", global_batch)
     _check_size("seq_len", seq_len)
+    eng = as_engine(engine)
     search_options, cluster_options = _split_options(options)
     spec = load_cluster(cluster, **cluster_options)
     opts = SearchOptions(global_batch=global_batch, top_k=top_k, **search_options)
+    from autoplan.cost import with_engine
+
     record: dict[str, Any] = {}
-    found = search(model_graph(model, seq_len), spec, opts, record=record)
+    found = search(model_graph(model, seq_len), spec, opts, record=record, cost_model=with_engine(eng))
     fingerprint = fingerprint_of(model)
-    plans = Plans(dataclasses.replace(plan, fingerprint=fingerprint) for plan in found)
+    plans = Plans(dataclasses.replace(plan, fingerprint=fingerprint, engine=eng) for plan in found)
     plans.candidates = record
     return plans
 
@@ -218,10 +225,12 @@ def check_config(config: ParallelConfig, cluster: ClusterSpec, global_batch: int
 
 
 def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any], *, global_batch: int,
-             seq_len: int, **cluster_options: Any) -> Estimate:
-    """The predicted step of one configuration (a ParallelConfig or a dict; dp may be omitted)."""
+             seq_len: int, engine: Engine | str | Path | None = None, **cluster_options: Any) -> Estimate:
+    """The predicted step of one configuration (a ParallelConfig or a dict; dp may be omitted) under
+    `engine` (an Engine, a shipped name or a YAML path; default autoplan's own executor)."""
     _check_size("global_batch", global_batch)
     _check_size("seq_len", seq_len)
+    eng = as_engine(engine)
     unknown = sorted(set(cluster_options) - set(_CLUSTER_OPTIONS))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown}: known are {list(_CLUSTER_OPTIONS)}")
@@ -233,17 +242,18 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any
     check_config(config, spec, global_batch)
     from autoplan.cost import estimate_config
 
-    return estimate_config(model_graph(model, seq_len), spec, config, global_batch=global_batch)
+    return estimate_config(model_graph(model, seq_len), spec, config, global_batch=global_batch, engine=eng)
 
 
 def plan_for(model: str, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
-             seq_len: int) -> Plan:
+             seq_len: int, engine: Engine | str | Path | None = None) -> Plan:
     """One given configuration as a Plan carrying its estimate (what `autoplan run` with configuration
     flags hands the executor, so the run report puts measured and predicted step time side by side)."""
-    est = estimate(model, cluster, config, global_batch=global_batch, seq_len=seq_len)
+    eng = as_engine(engine)
+    est = estimate(model, cluster, config, global_batch=global_batch, seq_len=seq_len, engine=eng)
     return Plan(config=config, estimate=est, model_name=model, cluster_name=cluster.name,
                 num_devices=config.num_devices, global_batch=global_batch, seq_len=seq_len,
-                fingerprint=fingerprint_of(model))
+                fingerprint=fingerprint_of(model), engine=eng)
 
 
 class ComponentPlans(tuple):

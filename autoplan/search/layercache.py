@@ -1,7 +1,7 @@
 """A disk memo of the layer table's per-layer costs, so that a second plan on the same cluster estimates no
 layer twice: estimate_layer is a pure function of the layer, the cluster, seq_len and the layer table's key
 (tp, cp, ep, sp, microbatch, recompute, etp, eep), so its fields are stored per (layer, cluster, seq_len,
-cost code) and looked up by key. The code version hashes autoplan/cost, autoplan/plan and this package's surrogate (which picks the
+engine, cost code) and looked up by key. The code version hashes autoplan/cost, autoplan/plan and this package's surrogate (which picks the
 fields); any edit there, or any other layer or cluster, is another entry. Entries are .npz arrays (never
 unpickled), merged with what is on disk and renamed into place (autoplan.graph.cache.replace_atomically),
 next to the graph cache (cache_root()/layer-costs; AUTOPLAN_CACHE_DIR=off disables both).
@@ -31,14 +31,15 @@ def _code_version() -> str:
     return digest.hexdigest()
 
 
-def _entry(layer: Any, cluster: Any, seq_len: int, fields: tuple[str, ...]) -> Path | None:
+def _entry(layer: Any, cluster: Any, seq_len: int, fields: tuple[str, ...], engine: Any) -> Path | None:
     from autoplan.graph.cache import cache_root
 
     root = cache_root()
     if root is None:
         return None
-    described = json.dumps([dataclasses.asdict(layer), dataclasses.asdict(cluster), seq_len, fields, _code_version()],
-                           sort_keys=True, default=str)
+    engine_fields = dataclasses.asdict(engine) if engine is not None else "default"
+    described = json.dumps([dataclasses.asdict(layer), dataclasses.asdict(cluster), seq_len, fields, engine_fields,
+                            _code_version()], sort_keys=True, default=str)
     return root / "layer-costs" / f"{hashlib.sha256(described.encode()).hexdigest()}.npz"
 
 
@@ -64,11 +65,12 @@ def _match(stored: np.ndarray, keys: np.ndarray) -> np.ndarray:
 
 
 def layer_costs(layer: Any, cluster: Any, seq_len: int, fields: tuple[str, ...], keys: np.ndarray,
-                compute: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
-    """The cost fields [n, len(fields)] of `layer` at each key row of `keys` [n, k]: from the memo where
-    stored, else compute(indices of the missing rows), which are then added to the memo."""
+                compute: Callable[[np.ndarray], np.ndarray], *, engine: Any = None) -> np.ndarray:
+    """The cost fields [n, len(fields)] of `layer` at each key row of `keys` [n, k] for `engine` (None: the
+    cost model's default): from the memo where stored, else compute(indices of the missing rows), which are
+    then added to the memo."""
     keys = np.asarray(keys, dtype=np.int64)
-    path = _entry(layer, cluster, seq_len, fields)
+    path = _entry(layer, cluster, seq_len, fields, engine)
     if path is None:
         return compute(np.arange(len(keys)))
     stored_keys, stored = _read(path, keys.shape[1], len(fields))

@@ -20,7 +20,7 @@ from autoplan.search.hetero import with_rank_costs
 from autoplan.search.ilp import solve_ilp
 from autoplan.search.space import SCHEDULES
 from autoplan.search.stages import StageProblem, StageSolution, evaluate, fits, solve_dp
-from autoplan.search.surrogate import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, inflight
+from autoplan.search.surrogate import inflight
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,13 +33,10 @@ class Layout:
     solution: StageSolution
 
 
-def _static_bytes(cost: Any, config: ParallelConfig) -> float:
-    """Weights, gradients and optimizer states of one layer under ZeRO (Rajbhandari et al. 2020)."""
-    dense_n = config.dp * config.ep * config.cp
-    shard = cost.grad_param_count / dense_n + cost.expert_param_count / config.expert_dp
-    full = cost.param_count
-    return ((shard if config.zero >= 3 else full) * WEIGHT_BYTES + (shard if config.zero >= 2 else full) * GRAD_BYTES
-            + (shard if config.zero >= 1 else full) * OPTIMIZER_BYTES)
+def _static_bytes(cost: Any, config: ParallelConfig, cost_model: Any, dtype: str) -> float:
+    """Weights, gradients and optimizer states of one layer under the engine's ZeRO layout: the cost
+    model's own rule (cost.memory.layer_state_bytes)."""
+    return cost_model.layer_state_bytes(cost, config, dtype=dtype)
 
 
 def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
@@ -70,25 +67,32 @@ def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfi
     pinned = [[layer_cost(i, Recompute.NONE) for i in rng] for rng in (range(lo), range(hi + 1, len(graph.layers)))]
     work = max(layer_cost(i, mode).work_mem_bytes if hasattr(layer_cost(i, mode), "work_mem_bytes") else 0
                for i in run_first for mode in modes)
-    # ZeRO-3 holds two layers' gathered 16-bit weights (the one computing and the one prefetched)
-    gathered = 2 * WEIGHT_BYTES * max(c.param_count for c in costs.values()) if config.zero == 3 else 0.0
+    # the reserve, NCCL buffers and ZeRO-3's working set (cost.memory.fixed_memory_bytes)
+    largest = max(c.param_count for c in costs.values())
+    fixed = cost_model.fixed_memory_bytes(config, cluster, max_layer_params=largest, max_param_numel=largest)
+    dtype = cluster.dtype
+
+    def static(c: Any) -> float:
+        return _static_bytes(c, config, cost_model, dtype)
+
     problem = StageProblem(
         run_sizes=tuple(len(r) for r in runs),
         time_s=tuple(tuple(layer_cost(i, mode).time_s for mode in modes) for i in run_first),
-        static_bytes=tuple(_static_bytes(layer_cost(i, modes[0]), config) for i in run_first),
+        static_bytes=tuple(static(layer_cost(i, modes[0])) for i in run_first),
         act_bytes=tuple(tuple(float(layer_cost(i, mode).act_mem_bytes) for mode in modes) for i in run_first),
         num_ranks=config.pp, virtual_stages=config.virtual_stages, inflight=tuple(float(x) for x in f),
         stage_rank=stage_ranks(config),
-        mem_limit_bytes=float(cluster.device.mem_bytes - cluster.device.runtime_reserve_bytes - work - gathered),
+        mem_limit_bytes=float(cluster.device.mem_bytes - fixed - work),
         first_time_s=sum(c.time_s for c in pinned[0]),
-        first_static_bytes=sum(_static_bytes(c, config) for c in pinned[0]),
+        first_static_bytes=sum(static(c) for c in pinned[0]),
         first_act_bytes=float(sum(c.act_mem_bytes for c in pinned[0])),
         last_time_s=sum(c.time_s for c in pinned[1]),
-        last_static_bytes=sum(_static_bytes(c, config) for c in pinned[1]),
+        last_static_bytes=sum(static(c) for c in pinned[1]),
         last_act_bytes=float(sum(c.act_mem_bytes for c in pinned[1])),
     )
     # heterogeneous clusters: each rank's times and memory limit on its own node group (search/hetero.py)
-    problem = with_rank_costs(problem, graph, cluster, config, modes, cost_model, run_first, work + gathered)
+    problem = with_rank_costs(problem, graph, cluster, config, modes, cost_model, run_first,
+                              fixed - cluster.device.runtime_reserve_bytes + work)
     return problem, runs
 
 

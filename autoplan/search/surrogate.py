@@ -1,9 +1,9 @@
 """A fast, vectorised first estimate of every candidate, to choose which ones the exact cost model sees.
 
-Per-layer costs come from the cost model (`estimate_layer`, once per kind of layer and per distinct
-(tp, cp, ep, sp, microbatch, recompute)); the assembly into a step time and a peak memory uses the
-published approximations below, in numpy over all candidates at once. Final numbers never come from
-here: search.py re-estimates the shortlist with `estimate_config`.
+Per-layer costs come from the cost model (`estimate_layer`, once per kind of layer and per distinct value of
+the key columns it reads, kept on disk per cluster: layer_table); the assembly into a step time and a peak memory is
+search/assemble.py, built from the exact model's own functions, in numpy over all candidates at once.
+Final numbers never come from here: search.py re-estimates the shortlist with `estimate_config`.
 """
 
 from __future__ import annotations
@@ -15,25 +15,21 @@ from typing import Any
 import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
-from autoplan.cost.estimate import GRAD_REDUCE_BYTES
 from autoplan.graph.types import LayerGraph, LayerRole
+from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
+from autoplan.search.assemble import assemble, max_param_numel
+from autoplan.search.assemble import inflight as _inflight
 from autoplan.search.layercache import layer_costs
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
-FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work")
+FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work", "host")
 _KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
 # what a key column a layer does not read is set to (recompute 0: Recompute.NONE; etp, eep 0: as tp, ep)
 _CANONICAL = {"ep": 1, "recompute": 0, "etp": 0, "eep": 0}
 _EXPERT_COLS = ("ep", "etp", "eep")  # read by layers with routed experts only
-# mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32 master, momentum, variance) bytes
-# per parameter (Rajbhandari et al., ZeRO, 2020, section 3.1)
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2.0, 2.0, 12.0
-# Adam over the local shard, memory-bound: read + write 12 bytes of fp32 states, read the 16-bit gradient
-# twice, write the 16-bit weights (the cost model's ADAM_BYTES_PER_PARAM)
-ADAM_BYTES = 30.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +77,7 @@ def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any
             return np.array([_fields(_estimate(layer, cluster, keys[i].tolist(), int(dps[i]), graph, cost))
                              for i in missing.tolist()])
 
-        values = layer_costs(layer, cluster, graph.seq_len, FIELDS, keys, compute)
+        values = layer_costs(layer, cluster, graph.seq_len, FIELDS, keys, compute, engine=getattr(cost, "engine", None))
         per_kind[:, k] = values[inverse.reshape(-1)]
     return key_of.reshape(-1), per_kind[:, kind_of]
 
@@ -116,27 +112,8 @@ def _estimate(layer: Any, cluster: ClusterSpec, key: list[int], dp: int, graph: 
 
 def _fields(c: Any) -> tuple[float, ...]:
     return (c.time_s, c.fwd_s + getattr(c, "fwd_comm_s", 0.0), c.bwd_weight_s, c.act_mem_bytes, c.param_count,
-            c.grad_param_count, c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0))
-
-
-def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
-    """Microbatches of activations (in units of the rank's whole per-microbatch activations) held by
-    each rank, shape [n, p]. GPipe: all m. 1F1B and ZB-H1: p - r on rank r (Narayanan et al. 2021).
-    Interleaved: Megatron warms up 2 (p - r - 1) + (v - 1) p chunk-microbatches, each 1/v of the rank's
-    layers, so rank 0 holds p + (p - 1)/v (Korthikanti et al. 2022: p (1 + (p - 1)/(p v))). Zero bubble
-    as 1F1B (Qi et al. 2024). Never more than the m microbatches there are. The same rule as the cost
-    model's in_flight_microbatches, vectorised."""
-    r = np.arange(p)[None, :]
-    s = schedule[:, None]
-    m2 = m[:, None].astype(float)
-    one_f_one_b = np.broadcast_to(p - r, (len(m), p)).astype(float)
-    interleaved = (2.0 * (p - r - 1) + (v - 1) * p + 1) / v
-    out = np.where(s == SCHEDULES.index(Schedule.GPIPE), m2, one_f_one_b)
-    out = np.where(s == SCHEDULES.index(Schedule.INTERLEAVED), interleaved, out)
-    return np.minimum(out, m2)
-
-
-_COMM = ("ar_dense", "rs_dense", "ag_dense", "ar_expert", "rs_expert", "ag_expert", "p2p")
+            c.grad_param_count, c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0),
+            getattr(c, "host_s", 0.0))
 
 
 def _placement(sizes: tuple[int, ...], wanted: tuple[str, ...], devices_per_node: int, cost: Any) -> Any:
@@ -153,74 +130,44 @@ def _placement(sizes: tuple[int, ...], wanted: tuple[str, ...], devices_per_node
     return cost.GroupPlacement(size=len(ranks), num_nodes=len(counts), per_node=int(counts.min()))
 
 
-def comm_lines(space: Space, cluster: ClusterSpec, cost: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per candidate, (alpha, beta) with time = alpha + beta * bytes for the collectives of its mesh, from
-    the cost model's own functions (two sizes per unique mesh; exact for its ring formulas)."""
-    c = space.columns
-    code = np.zeros(len(space), dtype=np.int64)
-    for col in ("pp", "dp", "ep", "cp", "tp", "etp", "eep"):
-        code = code * (int(c[col].max(initial=0)) + 1) + c[col]
-    _, first_row, inverse = np.unique(code, return_index=True, return_inverse=True)
-    uniq = [tuple(int(c[k][r]) for k in ("pp", "dp", "ep", "cp", "tp", "etp", "eep")) for r in first_row.tolist()]
-    lines = np.zeros((len(uniq), len(_COMM), 2))
-    s1, s2 = 1e8, 2e8
-    dpn = cluster.devices_per_node
-    for i, (*sizes, etp, eep) in enumerate(uniq):
-        dense = _placement(tuple(sizes), ("dp", "ep", "cp"), dpn, cost)
-        pp, dp, ep, cp, tp = sizes  # the experts' data-parallel group, folded or not (cost.experts)
-        expert = cost.expert_dp_placement(ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp, etp=etp, eep=eep), dpn)
-        cross = _placement(tuple(sizes), ("pp",), dpn, cost).crosses_nodes
-        calls = ((cost.all_reduce_s, dense), (cost.reduce_scatter_s, dense), (cost.all_gather_s, dense),
-                 (cost.all_reduce_s, expert), (cost.reduce_scatter_s, expert), (cost.all_gather_s, expert),
-                 (cost.p2p_s, cross))
-        for k, (fn, group) in enumerate(calls):
-            t1, t2 = fn(s1, group, cluster), fn(s2, group, cluster)
-            beta = (t2 - t1) / (s2 - s1)
-            lines[i, k] = (t1 - beta * s1, beta)
-    per = lines[inverse.reshape(-1)]
-    return {name: (per[:, k, 0], per[:, k, 1]) for k, name in enumerate(_COMM)}
-
-
-def _t(line: tuple[np.ndarray, np.ndarray], nbytes: np.ndarray) -> np.ndarray:
-    alpha, beta = line
-    if nbytes.ndim == 2:
-        alpha, beta = alpha[:, None], beta[:, None]
-    return np.where(nbytes > 0, alpha + beta * nbytes, 0.0)
-
-
 def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global_batch: int, cost: Any) -> Quick:
-    """Step time and peak memory of every candidate with the balanced split and uniform recompute."""
+    """Step time and peak memory of every candidate with the balanced split and uniform recompute, for the
+    engine `cost` is bound to (autoplan.cost.with_engine; the plain module means autoplan's executor)."""
+    engine = getattr(cost, "engine", None) or Engine()
     key_of, table = layer_table(graph, cluster, space, cost)
-    lines = comm_lines(space, cluster, cost)
     c = space.columns
     n = len(space)
     step, peak, act_out = np.zeros(n), np.zeros(n), np.zeros(n)
     names = {layer.name: i for i, layer in enumerate(graph.layers)}
     block = next((i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK), 0)
-    per_key = {"out_bytes": table[:, block, FIELDS.index("out_bytes")],  # what a pipeline cut sends
-               "work": table[:, :, FIELDS.index("work")].max(axis=1),
-               "max_params": table[:, :, FIELDS.index("params")].max(axis=1)}
+    out_bytes = table[:, block, FIELDS.index("out_bytes")]  # what a pipeline cut sends
     cum = np.concatenate([np.zeros((table.shape[0], 1, table.shape[2])), np.cumsum(table, axis=1)], axis=1)
     v_shape = ((c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE)) & (c["virtual_stages"] == 2)).astype(int)
+    max_numel = max_param_numel(graph, c["tp"])
     for pp, v, vee in sorted(set(zip(c["pp"].tolist(), c["virtual_stages"].tolist(), v_shape.tolist()))):
         idx = np.nonzero((c["pp"] == pp) & (c["virtual_stages"] == v) & (v_shape == vee))[0]
         config = space.config(int(idx[0]))  # the schedule decides the placement (plan.layout.stage_ranks)
         stages = cost.balanced_stages(graph, config)
         bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
+        ranks = stage_ranks(config)
         placement = np.zeros((pp * v, pp))
-        placement[np.arange(pp * v), stage_ranks(config)] = 1.0  # [stage, rank]
+        placement[np.arange(pp * v), ranks] = 1.0  # [stage, rank]
         layers_per_rank = np.diff(bounds) @ placement
-        hops_per_rank = _hops(stage_ranks(config), pp)
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
         sub = cum[keys]
         per_stage = sub[:, bounds[1:]] - sub[:, bounds[:-1]]  # [keys, S, F]
         per_rank = np.einsum("ksf,sr->krf", per_stage, placement)[inverse.reshape(-1)]
+        extra = {"hops": np.broadcast_to(_hops(ranks, pp), (len(idx), pp)), "out_bytes": out_bytes[key_of[idx]],
+                 "max_numel": max_numel[idx]}
+        for name in ("params", "work"):  # per-rank maxima over the rank's stages
+            stage_max = np.maximum.reduceat(table[keys][:, :, FIELDS.index(name)], bounds[:-1], axis=1)
+            rank_max = np.stack([stage_max[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1)
+                                 for k in range(pp)], axis=1)
+            extra["max_params" if name == "params" else "work"] = rank_max[inverse.reshape(-1)]
+        f = {name: per_rank[:, :, i] for i, name in enumerate(FIELDS)}
         cols = {k: col[idx] for k, col in c.items()}
-        extra = {k: val[key_of[idx]] for k, val in per_key.items()}
-        sel = {k: (a[idx], b[idx]) for k, (a, b) in lines.items()}
-        extra["hops"] = np.broadcast_to(hops_per_rank, (len(idx), pp))
-        step[idx], peak[idx], act_out[idx] = _assemble(per_rank, layers_per_rank, extra, sel, cols, pp, v,
-                                                       global_batch, cluster)
+        step[idx], peak[idx], act_out[idx] = assemble(f, layers_per_rank, extra, cols, pp, v, global_batch,
+                                                      cluster, engine)
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
 
 
@@ -235,58 +182,7 @@ def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
     return out
 
 
-def _assemble(per_rank: np.ndarray, layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
-              lines: dict[str, tuple[np.ndarray, np.ndarray]], c: dict[str, np.ndarray], pp: int, v: int,
-              global_batch: int, cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The cost model's assembly (estimate_config) in closed form over [candidates, ranks] arrays."""
-    f = {name: per_rank[:, :, i] for i, name in enumerate(FIELDS)}
-    m = global_batch // (c["dp"] * c["ep"] * c["microbatch"])
-    z = c["zero"][:, None]
-    n_layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
-    fwd, bwd = f["fwd"], f["time"] - f["fwd"]
-    # pipeline cuts: a rank sends its activation forward at each cut after its stages and its gradient
-    # back at each cut before them (hops per rank from the placement; none inside a rank)
-    hops = extra["hops"] * _t(lines["p2p"], extra["out_bytes"])[:, None] if pp > 1 else 0.0
-    # ZeRO: 16-bit weight gathers and gradient reduce-scatters, prefetched / bucketed on a second stream;
-    # what the layers' compute does not hide is exposed (cost.overlap.exposed_s, closed form for equal
-    # layers: the uncovered excess plus one layer's collective)
-    # gradients travel at the cost model's reduce dtype (fp32 under bf16: GRAD_REDUCE_BYTES)
-    wire = GRAD_REDUCE_BYTES[cluster.dtype]
-    wbytes, gbytes = f["dense_params"] * WEIGHT_BYTES, f["dense_params"] * wire
-    ebytes, egbytes = f["expert_params"] * WEIGHT_BYTES, f["expert_params"] * wire
-    gather = _t(lines["ag_dense"], wbytes) + _t(lines["ag_expert"], ebytes)
-    scatter = _t(lines["rs_dense"], gbytes) + _t(lines["rs_expert"], egbytes)
-    reduce = np.where(z >= 1, scatter, _t(lines["ar_dense"], gbytes) + _t(lines["ar_expert"], egbytes))
-    z3_fwd = np.maximum(gather - fwd, 0.0) + gather / n_layers
-    z3_bwd = np.maximum(gather + scatter - bwd, 0.0) + (gather + scatter) / n_layers
-    z2_bwd = np.maximum(scatter - bwd, 0.0) + scatter / n_layers
-    per_mb_dp = np.where(z == 3, z3_fwd + z3_bwd, np.where(z == 2, z2_bwd, 0.0))
-    x = f["time"] + hops + per_mb_dp
-    bwd_all = bwd + per_mb_dp
-    # pipeline_time_s: m max_r X_r + (sum_r Y_r - max_r Y_r) / v'
-    zb = (c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE))[:, None]
-    y = np.where(zb, np.maximum(x - (2.0 if v == 1 else 3.0) * f["bwd_weight"], 0.0), x)
-    chunks = np.where((c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED)) | zb[:, 0], v, 1)
-    pipe = m * x.max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
-    # ZeRO-0/1: one reduction per step after the last microbatch, overlapped with that backward; rank r
-    # finishes its last backward sum_{k<r} B_k before rank 0 does
-    tail = np.maximum(reduce - bwd_all, 0.0) + reduce / n_layers
-    offsets = np.cumsum(bwd_all, axis=1) - bwd_all
-    dp_tail = np.where(c["zero"] <= 1, np.maximum((tail - offsets).max(axis=1), 0.0), 0.0)
-    # ZeRO-1/2: all-gather the updated 16-bit weights after the optimizer step (exposed)
-    param_gather = np.where((c["zero"] == 1) | (c["zero"] == 2), gather.max(axis=1), 0.0)
-    dense_n = c["dp"] * c["ep"] * c["cp"]
-    # ParallelConfig.expert_dp: dp * cp unfolded, the stage's ranks over etp * eep when folded
-    expert_n = dense_n * c["tp"] // (np.where(c["etp"] > 0, c["etp"], c["tp"]) * np.where(c["eep"] > 0, c["eep"], c["ep"]))
-    shard = f["dense_params"] / dense_n[:, None] + f["expert_params"] / expert_n[:, None]
-    local = np.where(z >= 1, shard, f["params"]).max(axis=1)
-    optimizer_s = local * ADAM_BYTES / (cluster.device.mem_bw_bytes_per_s * cluster.device.mem_bw_efficiency)
-    step = pipe + dp_tail + param_gather + optimizer_s
-    # memory per rank: model states with ZeRO sharding (+ ZeRO-3's two gathered layers), activations times
-    # microbatches in flight, one layer's backward working set, the runtime reserve
-    states = (np.where(z >= 3, shard, f["params"]) * WEIGHT_BYTES + np.where(z >= 2, shard, f["params"]) * GRAD_BYTES
-              + np.where(z >= 1, shard, f["params"]) * OPTIMIZER_BYTES)
-    states += np.where(z == 3, 2.0 * extra["max_params"][:, None] * WEIGHT_BYTES, 0.0)
-    acts = f["act"] * inflight(c["schedule"], pp, v, m)
-    mem = states + acts + extra["work"][:, None]
-    return step, mem.max(axis=1) + cluster.device.runtime_reserve_bytes, acts.max(axis=1)
+def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
+    """Microbatches of activations held by each rank [n, p]: cost.pipeline.in_flight_microbatches in
+    numpy (search.assemble.inflight)."""
+    return _inflight(schedule, p, v, m)

@@ -63,10 +63,14 @@ def test_allreduce_uses_the_engines_measured_table_then_nccl() -> None:
     hw = _hw(load_engine("vllm"))
     assert allreduce_s(512, 2, hw) == pytest.approx(9.5e-6)
     assert allreduce_s((262144 + 524288) / 2, 8, hw) == pytest.approx((24.1e-6 + 30.4e-6) / 2)
-    # above custom_allreduce_max_bytes (8 MiB) NCCL's ring: 2 (n - 1) alpha + 2 (n - 1)/n S / busbw
+    # above custom_allreduce_max_bytes (8 MiB) NCCL's ring (cost.comm): the cheaper of its LL and Simple
+    # protocols, base + 2 (n - 1) alpha + 2 (n - 1)/n S / busbw (LL: half the bus bandwidth, capped)
     link = hw.cluster.intra_node
     big = 64 * 2**20
-    ring = 2 * 7 * link.latency_s + 2 * 7 / 8 * big / (link.bw_bytes_per_s * link.allreduce_busbw_fraction)
+    busbw = link.bw_bytes_per_s * link.allreduce_busbw_fraction
+    ll_bw = min(0.5 * busbw, link.ll_max_bw_bytes_per_s or float("inf"))
+    ring = min(link.base_latency_s + 2 * 7 * link.latency_s + 2 * 7 / 8 * big / ll_bw,
+               link.base_latency_s + 2 * 7 * link.simple_latency_s + 2 * 7 / 8 * big / busbw)
     assert allreduce_s(big, 8, hw) == pytest.approx(ring, rel=1e-6)
     assert allreduce_s(big, 1, hw) == 0.0
 

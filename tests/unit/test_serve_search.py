@@ -30,7 +30,8 @@ def test_a_tighter_tpot_slo_moves_the_pick_to_a_higher_tp() -> None:
 def _transfer_by_hand(cluster, tokens: int, crosses: bool) -> float:
     link = cluster.inter_node if crosses else cluster.intra_node
     per_device = kv_bytes_per_token_per_gpu(LLAMA3_8B, 2, 1) * tokens  # both sides tp = 2: 8 kv heads / 2
-    return link.latency_s + per_device / (link.bw_bytes_per_s * link.p2p_bw_fraction)
+    base = max(cluster.intra_node.base_latency_s, link.base_latency_s)  # cost.comm.p2p_s: an NCCL kernel's fixed cost
+    return base + link.latency_s + per_device / (link.bw_bytes_per_s * link.p2p_bw_fraction)
 
 
 def test_disaggregation_pays_its_kv_transfer() -> None:
