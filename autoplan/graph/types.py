@@ -100,18 +100,25 @@ class LayerGraph:
     def blocks(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.role is LayerRole.BLOCK)
 
-    def divisibility_errors(self, config: ParallelConfig, *, global_batch: int | None = None) -> tuple[str, ...]:
-        """Every way `config` fails to divide this model, one line each (empty when it runs): the rules of
-        plan.layout.divisibility_errors (their one home) for each distinct block shape (heads, kv heads,
-        FFN width), with the model's vocabulary, routed experts, seq_len and block count."""
+    def divisibility_sizes(self) -> tuple[dict[str, int], ...]:
+        """The sizes a parallel config must divide, as keywords of plan.layout.divisibility_errors: one dict
+        per distinct block shape (heads, kv heads, FFN width), each with the model's vocabulary, routed
+        experts, seq_len and block count."""
         blocks = self.blocks or self.layers
         experts = max((b.num_experts for b in blocks), default=0)
+        shapes = dict.fromkeys((b.num_heads, b.num_kv_heads, b.ffn_hidden_size) for b in blocks)
+        return tuple({"num_heads": heads, "num_kv_heads": kv_heads, "ffn_hidden_size": ffn, "num_experts": experts,
+                      "vocab_size": self.vocab_size, "seq_len": self.seq_len, "num_blocks": len(self.blocks)}
+                     for heads, kv_heads, ffn in shapes)
+
+    def divisibility_errors(self, config: ParallelConfig, *, global_batch: int | None = None,
+                            sizes: tuple[dict[str, int], ...] | None = None) -> tuple[str, ...]:
+        """Every way `config` fails to divide this model, one line each (empty when it runs): the rules of
+        plan.layout.divisibility_errors (their one home) over divisibility_sizes() (or `sizes`, computed
+        once by a caller that checks many configs)."""
         out: dict[str, None] = {}
-        for heads, kv_heads, ffn in dict.fromkeys((b.num_heads, b.num_kv_heads, b.ffn_hidden_size) for b in blocks):
-            out.update(dict.fromkeys(divisibility_errors(
-                config, num_heads=heads, num_kv_heads=kv_heads, ffn_hidden_size=ffn, num_experts=experts,
-                vocab_size=self.vocab_size, seq_len=self.seq_len, num_blocks=len(self.blocks),
-                global_batch=global_batch)))
+        for kwargs in sizes if sizes is not None else self.divisibility_sizes():
+            out.update(dict.fromkeys(divisibility_errors(config, **kwargs, global_batch=global_batch)))
         return tuple(out)
 
     def kinds(self) -> dict[str, tuple[Layer, ...]]:

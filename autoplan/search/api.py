@@ -100,19 +100,53 @@ def load_model(spec: str) -> Any:
         return preset(spec)
 
 
+def _is_preset_name(spec: str) -> bool:
+    """Not a file.py:factory, a path or a directory: a preset's name (checked without importing torch)."""
+    return ":" not in spec and "/" not in spec and not Path(spec).exists()
+
+
 @lru_cache(maxsize=16)
 def _named_graph(spec: str, seq_len: int) -> LayerGraph:
-    from autoplan.graph.capture import capture
-    from autoplan.models.user import model_name_of
+    """Captured once per (spec, seq_len) and cached on disk (autoplan.graph.cache): a preset's entry is found
+    by its name without building the model, so a warm plan of a preset never imports torch; other models are
+    built and found by the structure of the module."""
+    from autoplan.graph import cache
 
-    return capture(load_model(spec), seq_len=seq_len, microbatch=1, model_name=model_name_of(spec))
+    if not _is_preset_name(spec):
+        from autoplan.models.user import model_name_of
+
+        return _captured(load_model(spec), seq_len, model_name_of(spec))
+    return cache.cached(cache.preset_key(spec, seq_len=seq_len), lambda: _capture(load_model(spec), seq_len, spec),
+                        model_name=spec)
+
+
+def _capture(model: Any, seq_len: int, name: str | None) -> LayerGraph:
+    from autoplan.graph.capture import capture
+
+    return capture(model, seq_len=seq_len, microbatch=1, model_name=name)
+
+
+def _captured(model: Any, seq_len: int, name: str | None) -> LayerGraph:
+    """The graph of an nn.Module from the disk cache, keyed by its structure, else captured and stored."""
+    from autoplan.graph import cache
+
+    key = cache.key_of({"module": cache.module_fingerprint(model), "seq_len": seq_len, "microbatch": 1})
+    return cache.cached(key, lambda: _capture(model, seq_len, name), model_name=name)
 
 
 @lru_cache(maxsize=16)
 def _named_fingerprint(spec: str) -> str:
-    from autoplan.graph.fingerprint import model_fingerprint
+    """A preset's fingerprint is cached on disk beside its graph (no torch import when warm)."""
+    from autoplan.graph import cache
 
-    return model_fingerprint(load_model(spec))
+    def compute() -> str:
+        from autoplan.graph.fingerprint import model_fingerprint  # imports torch
+
+        return model_fingerprint(load_model(spec))
+
+    if not _is_preset_name(spec):
+        return compute()
+    return cache.cached_text(cache.key_of({"preset fingerprint": spec}), compute)
 
 
 def fingerprint_of(model: Any) -> str:
@@ -137,16 +171,13 @@ def model_graph(model: Any, seq_len: int) -> LayerGraph:
         return _named_graph(str(model), seq_len)
     from torch import nn
 
-    from autoplan.graph.capture import capture
-
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a preset name, 'path/to/file.py:factory', a Hugging Face model directory, "
                          f"an nn.Module or a LayerGraph, got {type(model).__name__}")
 
     per_len = _module_graphs.setdefault(model, {})
     if seq_len not in per_len:
-        per_len[seq_len] = capture(model, seq_len=seq_len, microbatch=1,
-                                   model_name=getattr(getattr(model, "config", None), "name", None))
+        per_len[seq_len] = _captured(model, seq_len, getattr(getattr(model, "config", None), "name", None))
     return per_len[seq_len]
 
 

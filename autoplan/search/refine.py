@@ -1,5 +1,6 @@
 """Per-layer recompute and the pipeline stage split for one configuration: build the StageProblem from
-the cost model's per-layer costs, solve it (ILP, DP fallback), decode it into stages and overrides.
+the cost model's per-layer costs, solve it (exactly by rank balancing or the DP where they apply, else the
+ILP within a fixed node limit: no wall-clock budget anywhere), decode it into stages and overrides.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.search.balance import solve_balanced
 from autoplan.search.hetero import with_rank_costs
 from autoplan.search.ilp import solve_ilp
 from autoplan.search.space import SCHEDULES
@@ -158,8 +160,22 @@ def _runs_of(problem: StageProblem, graph: LayerGraph) -> list[list[str]]:
     return out
 
 
+def solve_stages(problem: StageProblem) -> StageSolution | None:
+    """The stage problem's optimum with no time limit: exact by rank balancing for one or two runs of identical
+    blocks (balance.py, any chunks per rank and placement), exact by the DP for one chunk per rank; otherwise
+    the ILP within its node limit, or the DP's (feasible, restricted) answer when HiGHS stops without one."""
+    if len(problem.run_sizes) <= 2:
+        return solve_balanced(problem)
+    if problem.virtual_stages == 1:
+        return solve_dp(problem)
+    try:
+        return solve_ilp(problem)
+    except RuntimeError:  # stopped at the node limit without a solution
+        return solve_dp(problem)
+
+
 def refine(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
-           modes: tuple[Recompute, ...], cost_model: Any, time_limit_s: float = 1.5) -> Layout | None:
+           modes: tuple[Recompute, ...], cost_model: Any) -> Layout | None:
     """The fastest stage split and per-layer recompute for `config` (None when no split fits)."""
     if not any(layer.role is LayerRole.BLOCK for layer in graph.layers):
         return None
@@ -167,8 +183,5 @@ def refine(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, g
                                   cost_model=cost_model)
     if config.recompute is Recompute.NONE and _near_ideal(problem, config, modes, graph, cost_model):
         return None  # already within 0.5 % of a perfectly even split with no recompute: nothing to gain
-    try:
-        solution = solve_ilp(problem, time_limit_s=time_limit_s)
-    except RuntimeError:  # the solver stopped without any solution: the DP's (exact for v = 1), if small
-        solution = solve_dp(problem) if problem.num_stages <= 16 else None
+    solution = solve_stages(problem)
     return None if solution is None else decode(graph, config, runs, solution, modes)

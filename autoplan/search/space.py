@@ -138,8 +138,9 @@ def divisors(n: int) -> tuple[int, ...]:
     return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
-def _fits(graph: LayerGraph, config: ParallelConfig, global_batch: int | None = None) -> bool:
-    return not graph.divisibility_errors(config, global_batch=global_batch)
+def _fits(graph: LayerGraph, config: ParallelConfig, global_batch: int | None = None,
+          sizes: tuple[dict[str, int], ...] | None = None) -> bool:
+    return not graph.divisibility_errors(config, global_batch=global_batch, sizes=sizes)
 
 
 def mesh_shapes(
@@ -151,10 +152,12 @@ def mesh_shapes(
     blocks (pp <= blocks); dp*ep the global batch. Each rule involves one degree (or dp*ep), so each degree
     is filtered on its own and the product is checked once more."""
     n, experts = cluster.num_devices, max((b.num_experts for b in graph.blocks), default=0)
-    tps = [t for t in _allowed(divisors(cluster.devices_per_node), options.tp) if _fits(graph, ParallelConfig(tp=t))
-           and (options.max_tp is None or t <= options.max_tp)]
-    eps = [e for e in _allowed(divisors(experts) if experts else (1,), options.ep) if _fits(graph, ParallelConfig(ep=e))]
-    cps = [c for c in _allowed(divisors(graph.seq_len), options.cp) if _fits(graph, ParallelConfig(cp=c))]
+    sizes = graph.divisibility_sizes()
+    tps = [t for t in _allowed(divisors(cluster.devices_per_node), options.tp)
+           if _fits(graph, ParallelConfig(tp=t), sizes=sizes) and (options.max_tp is None or t <= options.max_tp)]
+    eps = [e for e in _allowed(divisors(experts) if experts else (1,), options.ep)
+           if _fits(graph, ParallelConfig(ep=e), sizes=sizes)]
+    cps = [c for c in _allowed(divisors(graph.seq_len), options.cp) if _fits(graph, ParallelConfig(cp=c), sizes=sizes)]
     out = []
     for tp, ep, cp in itertools.product(tps, eps, cps):
         inner = tp * ep * cp
@@ -166,7 +169,7 @@ def mesh_shapes(
                 continue
             if not stage_fits_groups(cluster, dp * ep * cp * tp, tp):  # heterogeneous: search/hetero.py
                 continue
-            if _fits(graph, ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), options.global_batch):
+            if _fits(graph, ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), options.global_batch, sizes):
                 out.append((tp, pp, dp, cp, ep))
     return tuple(out)
 
@@ -226,7 +229,9 @@ def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOpti
     for tp, pp, dp, cp, ep in mesh_shapes(graph, cluster, options):
         per_replica = options.global_batch // (dp * ep)
         mbs = _allowed(divisors(per_replica), options.microbatch)
-        zeros = [z for z in options.zero if dp * ep > 1 or z == 0]  # nothing to shard over one replica
+        # ZeRO shards over the dense data-parallel group dp*ep*cp (plan.layout.zero_layout): nothing to shard
+        # over one rank
+        zeros = [z for z in options.zero if dp * ep * cp > 1 or z == 0]
         sps = [int(s) for s in options.sp if tp > 1 or not s]
         scheds = [(SCHEDULES.index(s), v) for s, v in schedule_choices(pp, num_blocks, options)]
         if not (mbs and zeros and sps and scheds and recomputes):

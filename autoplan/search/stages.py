@@ -137,8 +137,9 @@ def _compositions(k: int, r: int) -> np.ndarray:
     """All ways to write k as an ordered sum of r non-negative integers, shape [n, r]."""
     if r == 1:
         return np.array([[k]], dtype=np.int64)
-    rows = [(i,) + tuple(rest) for i in range(k + 1) for rest in _compositions(k - i, r - 1).tolist()]
-    return np.array(rows, dtype=np.int64)
+    parts = [np.concatenate([np.full((len(rest), 1), i, dtype=np.int64), rest], axis=1)
+             for i in range(k + 1) for rest in (_compositions(k - i, r - 1),)]
+    return np.concatenate(parts)
 
 
 def _pareto(time: np.ndarray, mem: np.ndarray, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,7 +1,7 @@
 """A fast, vectorised first estimate of every candidate, to choose which ones the exact cost model sees.
 
-Per-layer costs come from the cost model (`estimate_layer`, once per kind of layer and per distinct
-(tp, cp, ep, sp, microbatch, recompute)); the assembly into a step time and a peak memory is
+Per-layer costs come from the cost model (`estimate_layer`, once per kind of layer and per distinct value of
+the key columns it reads, kept on disk per cluster: layer_table); the assembly into a step time and a peak memory is
 search/assemble.py, built from the exact model's own functions, in numpy over all candidates at once.
 Final numbers never come from here: search.py re-estimates the shortlist with `estimate_config`.
 """
@@ -21,11 +21,15 @@ from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
 from autoplan.search.assemble import assemble, max_param_numel
 from autoplan.search.assemble import inflight as _inflight
+from autoplan.search.layercache import layer_costs
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
 FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work", "host")
 _KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
+# what a key column a layer does not read is set to (recompute 0: Recompute.NONE; etp, eep 0: as tp, ep)
+_CANONICAL = {"ep": 1, "recompute": 0, "etp": 0, "eep": 0}
+_EXPERT_COLS = ("ep", "etp", "eep")  # read by layers with routed experts only
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,28 +41,73 @@ class Quick:
     act_mem_bytes: np.ndarray  # activations on the most loaded rank (for the notes)
 
 
+def _codes(space: Space, cols: tuple[str, ...], rows: np.ndarray | None = None) -> np.ndarray:
+    """One integer per distinct combination of `cols` (a fast unique)."""
+    code = np.zeros(len(space) if rows is None else len(rows), dtype=np.int64)
+    for col in cols:
+        values = space.columns[col] if rows is None else space.columns[col][rows]
+        code = code * (int(space.columns[col].max(initial=0)) + 1) + values
+    return code
+
+
 def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(key index per candidate, table [num_keys, num_layers, len(FIELDS)]), estimating each kind once."""
-    code = np.zeros(len(space), dtype=np.int64)
-    for col in _KEY_COLS:  # one integer per (tp, cp, ep, sp, microbatch, recompute): a fast unique
-        values = space.columns[col]
-        code = code * (int(values.max(initial=0)) + 1) + values
-    _, first_row, key_of = np.unique(code, return_index=True, return_inverse=True)
+    """(key index per candidate, table [num_keys, num_layers, len(FIELDS)]). Each kind of layer is estimated
+    once per distinct value of the key columns it depends on, then broadcast to every layer of the kind:
+    (tp, cp, sp, microbatch), recompute only for blocks (the cost model recomputes BLOCK-role layers only:
+    cost/compute.layer_compute, cost/memory.other_activation_bytes), ep, etp and eep only for layers with routed
+    experts (nothing else in estimate_layer reads them); test_search_layer_table checks both against
+    estimate_layer.
+    Costs computed once are kept on disk (layercache.layer_costs), so a later plan on the cluster reuses them."""
+    _, first_row, key_of = np.unique(_codes(space, _KEY_COLS), return_index=True, return_inverse=True)
     kinds = graph.kinds()
     kind_names = list(kinds)
     kind_of = np.array([kind_names.index(layer.kind) for layer in graph.layers])
-    first = [kinds[k][0] for k in kind_names]
-    table = np.zeros((len(first_row), len(graph.layers), len(FIELDS)))
-    for i, row in enumerate(first_row.tolist()):
-        tp, cp, ep, sp, mb, rec, etp, eep = (int(space.columns[col][row]) for col in _KEY_COLS)
-        recompute = RECOMPUTES[rec]
+    per_kind = np.zeros((len(first_row), len(kind_names), len(FIELDS)))
+    for k, name in enumerate(kind_names):
+        layer = kinds[name][0]
+        cols = _key_cols(layer)
+        _, rows, inverse = np.unique(_codes(space, cols, first_row), return_index=True, return_inverse=True)
+        keys = np.stack([space.columns[c][first_row[rows]] if c in cols else np.full(len(rows), _CANONICAL[c])
+                         for c in _KEY_COLS], axis=1)
         # dp: any valid one (a layer's cost does not depend on it; folded expert degrees need the stage's ranks)
-        config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=recompute,
-                                dp=int(space.columns["dp"][row]), etp=etp, eep=eep)
-        per_kind = np.array([_fields(cost.estimate_layer(layer, cluster, config, recompute, seq_len=graph.seq_len))
-                             for layer in first])
-        table[i] = per_kind[kind_of]
-    return key_of.reshape(-1), table
+        dps = space.columns["dp"][first_row[rows]]
+
+        def compute(missing: np.ndarray, layer: Any = layer, keys: np.ndarray = keys, dps: np.ndarray = dps
+                    ) -> np.ndarray:
+            return np.array([_fields(_estimate(layer, cluster, keys[i].tolist(), int(dps[i]), graph, cost))
+                             for i in missing.tolist()])
+
+        values = layer_costs(layer, cluster, graph.seq_len, FIELDS, keys, compute, engine=getattr(cost, "engine", None))
+        per_kind[:, k] = values[inverse.reshape(-1)]
+    return key_of.reshape(-1), per_kind[:, kind_of]
+
+
+def split_by_layer_key(space: Space, parts: int) -> list[np.ndarray]:
+    """The candidate rows in `parts` pieces, each holding whole groups of (tp, cp, sp, microbatch), the key
+    columns every kind of layer reads (so no layer cost is estimated in two pieces), balanced by row count:
+    groups by size, largest first, each to the lightest piece so far."""
+    shared = tuple(c for c in _KEY_COLS if c not in _CANONICAL)
+    _, group_of, counts = np.unique(_codes(space, shared), return_inverse=True, return_counts=True)
+    load, owner = np.zeros(parts), np.empty(len(counts), dtype=np.int64)
+    for group in np.argsort(-counts, kind="stable").tolist():
+        owner[group] = int(np.argmin(load))
+        load[owner[group]] += counts[group]
+    piece = owner[group_of.reshape(-1)]
+    return [np.nonzero(piece == i)[0] for i in range(parts)]
+
+
+def _key_cols(layer: Any) -> tuple[str, ...]:
+    """The key columns estimate_layer reads for this layer (see layer_table)."""
+    skip = set(_EXPERT_COLS) if not layer.num_experts else set()
+    skip |= {"recompute"} if layer.role is not LayerRole.BLOCK else set()
+    return tuple(c for c in _KEY_COLS if c not in skip)
+
+
+def _estimate(layer: Any, cluster: ClusterSpec, key: list[int], dp: int, graph: LayerGraph, cost: Any) -> Any:
+    tp, cp, ep, sp, mb, rec, etp, eep = key
+    config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=RECOMPUTES[rec], dp=dp,
+                            etp=etp, eep=eep)
+    return cost.estimate_layer(layer, cluster, config, RECOMPUTES[rec], seq_len=graph.seq_len)
 
 
 def _fields(c: Any) -> tuple[float, ...]:

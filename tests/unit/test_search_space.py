@@ -26,7 +26,7 @@ def _reference(n: int, per_node: int, heads: int, blocks: int, seq: int, batch: 
                 ("interleaved", v) for v in range(2, 9) if (blocks // pp) % v == 0] + [
                 ("zb", v) for v in (1, 2) if pp * v <= blocks]
             for (s, v), r, z, sp in itertools.product(scheds, ("none", "selective", "full"), range(4), (0, 1)):
-                if (z and dp * ep == 1) or (sp and tp == 1):
+                if (z and dp * ep * cp == 1) or (sp and tp == 1):
                     continue
                 out.add((tp, pp, dp, cp, ep, sp, z, mb, s, v, r))
     return out
