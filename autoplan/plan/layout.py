@@ -218,7 +218,31 @@ def divisibility_errors(config: ParallelConfig, *, num_heads: int = 0, num_kv_he
         if global_batch % per or global_batch < per:
             out.append(f"global batch {global_batch} does not divide into dp*ep={config.num_replicas} "
                        f"replicas x microbatch {config.microbatch}: use a global batch that is a multiple of {per}")
+        else:
+            out += schedule_errors(config, global_batch // per)
     return tuple(out)
+
+
+def schedule_errors(config: ParallelConfig, num_microbatches: int) -> tuple[str, ...]:
+    """What the pipeline schedule that runs the plan refuses for this number of microbatches per step
+    (torch.distributed.pipelining 2.13, autoplan's executor; the search enumerates only what passes):
+    - 1F1B (Schedule1F1B.__init__): at least as many microbatches as stages;
+    - interleaved 1F1B and looped zero bubble (ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble):
+      rounds = max(1, m // pp), and m a multiple of the rounds;
+    - GPipe and the zero-bubble V (ScheduleZBVZeroBubble): any m."""
+    if config.pp == 1:
+        return ()
+    m, p = num_microbatches, config.pp
+    if config.schedule is Schedule.ONE_F_ONE_B and m < p:
+        return ((f"1F1B needs at least pp={p} microbatches per step, got {m}: use a smaller microbatch, a larger "
+                f"global batch or another schedule"),)
+    looped = config.schedule is Schedule.INTERLEAVED or (config.schedule is Schedule.ZERO_BUBBLE
+                                                          and not uses_v_placement(config))
+    rounds = max(1, m // p)
+    if looped and m % rounds:
+        return ((f"{config.schedule.value} runs microbatches in rounds of pp={p}: {m} microbatches are not a "
+                f"multiple of the {rounds} rounds; use a number of microbatches that is"),)
+    return ()
 
 
 # --- MoE parallel folding: the experts' own layout over the same ranks -----------------------------------

@@ -249,6 +249,22 @@ def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOpti
         rows[:, 9] = sched_v[:, 1]
         rows[:, 10] = grid[:, 2]
         rows[:, 11:] = 0
+        rows = rows[_schedule_runs(rows, per_replica, pp)]
         blocks += with_expert_layouts(rows, expert_layouts(graph, options, tp, pp, dp, cp, ep, cluster.devices_per_node))
     table = np.concatenate(blocks) if blocks else np.zeros((0, len(COLUMNS)), dtype=np.int64)
     return Space({name: table[:, i] for i, name in enumerate(COLUMNS)})
+
+
+def _schedule_runs(rows: np.ndarray, per_replica: int, pp: int) -> np.ndarray:
+    """Rows whose (schedule, virtual stages, microbatches) the executor's schedule accepts: plan.layout
+    schedule_errors in numpy (1F1B needs m >= pp; looped interleaved / zero bubble need m a multiple of
+    max(1, m // pp))."""
+    if pp == 1:
+        return np.ones(len(rows), dtype=bool)
+    m = per_replica // rows[:, 7]
+    sched, v = rows[:, 8], rows[:, 9]
+    one_f_one_b = sched == SCHEDULES.index(Schedule.ONE_F_ONE_B)
+    looped = (sched == SCHEDULES.index(Schedule.INTERLEAVED)) | ((sched == SCHEDULES.index(Schedule.ZERO_BUBBLE))
+                                                                  & (v != 2))
+    rounds = np.maximum(1, m // pp)
+    return ~((one_f_one_b & (m < pp)) | (looped & (m % rounds != 0)))
