@@ -25,6 +25,10 @@ def _reference(n: int, per_node: int, heads: int, blocks: int, seq: int, batch: 
             scheds = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1)] + [
                 ("interleaved", v) for v in range(2, 9) if (blocks // pp) % v == 0] + [
                 ("zb", v) for v in (1, 2) if pp * v <= blocks]
+            m = per // mb  # torch's schedules: 1F1B needs m >= pp, looped ones m % max(1, m // pp) == 0
+            scheds = [(s, v) for s, v in scheds if not (
+                pp > 1 and ((s == "1f1b" and m < pp)
+                            or ((s == "interleaved" or (s == "zb" and v == 1)) and m % max(1, m // pp))))]
             for (s, v), r, z, sp in itertools.product(scheds, ("none", "selective", "full"), range(4), (0, 1)):
                 if (z and dp * ep * cp == 1) or (sp and tp == 1):
                     continue
