@@ -32,7 +32,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from autoplan.execute.component_models import Program, Stage, program_for
 from autoplan.execute.fsdp import prepare_microbatch, wrap_blocks
-from autoplan.plan.components import ComponentPlan
+from autoplan.plan.components import EXECUTOR_GROUP_OPTIONS, ComponentPlan, group_config_errors
 from autoplan.plan.layout import ZeroLayout, zero_layout
 from autoplan.plan.types import Recompute
 
@@ -86,14 +86,11 @@ def check_executable(plan: ComponentPlan) -> None:
     or full for the whole group; one line naming the group otherwise."""
     for i, group in enumerate(plan.groups):
         c = group.plan.config
-        unsupported = [f"{a}={getattr(c, a)}" for a in ("pp", "cp", "ep") if getattr(c, a) > 1]
-        unsupported += ["sp=True"] if c.sp else []
-        unsupported += [f"recompute={c.recompute.value}"] if c.recompute is Recompute.SELECTIVE else []
-        unsupported += ["per-layer recompute"] if group.plan.layer_recompute else []
+        unsupported = group_config_errors(c, per_layer_recompute=bool(group.plan.layer_recompute))
         if unsupported:
             raise ValueError(f"group {i} ({group.name}) uses {', '.join(unsupported)}: the component executor runs "
-                             f"dp x tp groups with recompute none or full; plan with pp=1, cp=1, sp=False, "
-                             f"recompute=('none', 'full')")
+                             f"dp x tp groups with recompute none or full; plan with "
+                             f"{', '.join(f'{k}={v}' for k, v in EXECUTOR_GROUP_OPTIONS.items())}")
         if plan.microbatch_samples % c.dp:
             raise ValueError(f"group {i} ({group.name}): {plan.microbatch_samples} samples per microbatch do not "
                              f"split over dp={c.dp}")

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.plan.io import plan_from_dict, plan_to_dict
-from autoplan.plan.types import Estimate, Plan
+from autoplan.plan.types import Estimate, ParallelConfig, Plan
 
 SCHEMA_VERSION = 1
 KIND = "components"
@@ -198,3 +198,21 @@ def save_component_plan(plan: ComponentPlan, path: str | Path) -> None:
 
 def load_component_plan(path: str | Path) -> ComponentPlan:
     return component_plan_from_json(Path(path).read_text())
+
+# What autoplan's component executor (execute/components.py) runs in each device group: dp x tp, with no
+# pipeline, context or expert parallelism inside the group, no sequence parallelism, recompute none or full
+# for the whole group. The component search plans groups within these options (search/components.py) and
+# the executor refuses anything else with group_config_errors: one home for both.
+EXECUTOR_GROUP_OPTIONS: dict[str, tuple] = {"pp": (1,), "cp": (1,), "ep": (1,), "sp": (False,),
+                                            "recompute": ("none", "full")}
+
+
+def group_config_errors(config: ParallelConfig, *, per_layer_recompute: bool = False) -> tuple[str, ...]:
+    """What in a group's config the component executor cannot run (empty when it can)."""
+    out = [f"{a}={getattr(config, a)}" for a in ("pp", "cp", "ep") if getattr(config, a) > 1]
+    out += ["sp=True"] if config.sp else []
+    if config.recompute.value not in EXECUTOR_GROUP_OPTIONS["recompute"]:
+        out.append(f"recompute={config.recompute.value}")
+    out += ["per-layer recompute"] if per_layer_recompute else []
+    out += [f"etp={config.etp}, eep={config.eep}"] if config.folded else []
+    return tuple(out)

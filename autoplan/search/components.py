@@ -33,7 +33,7 @@ from typing import Any
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import ComponentGraph, LayerGraph
-from autoplan.plan.components import ComponentPlan
+from autoplan.plan.components import EXECUTOR_GROUP_OPTIONS, ComponentPlan
 from autoplan.plan.types import Plan, Stage
 from autoplan.search.component_cost import compose
 from autoplan.search.search import search
@@ -162,7 +162,8 @@ def _held_bytes(graph: LayerGraph, cluster: ClusterSpec, plan: Plan, m: int, cos
 def _candidates(group: DeviceGroupSpec, cluster: ClusterSpec, options: ComponentOptions,
                 cost: Any) -> tuple[Plan, ...]:
     """The group's top plans on its sub-cluster by the existing search (none when nothing fits)."""
-    opts = {"use_ilp": False, **options.search}
+    # within what the component executor runs (plan.components.EXECUTOR_GROUP_OPTIONS), unless asked otherwise
+    opts = {"use_ilp": False, **EXECUTOR_GROUP_OPTIONS, **options.search}
     for name in group.components:
         opts.update(options.group_search.get(name, {}))
     try:
