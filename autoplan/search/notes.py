@@ -31,10 +31,13 @@ def top_causes(plan: Plan, n: int = 3) -> list[tuple[str, float]]:
 
 
 def _same_except(space: Space, row: int, **changes: int) -> np.ndarray:
-    mask = np.ones(len(space), dtype=bool)
-    for col in COLUMNS:
-        mask &= space.columns[col] == changes.get(col, space.columns[col][row])
-    return np.nonzero(mask)[0]
+    """The rows equal to `row` in every column but those changed (ascending): the first column compared over
+    the whole space, the others over what is left."""
+    first, *rest = COLUMNS
+    rows = np.nonzero(space.columns[first] == changes.get(first, space.columns[first][row]))[0]
+    for col in rest:
+        rows = rows[space.columns[col][rows] == changes.get(col, space.columns[col][row])]
+    return rows
 
 
 def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: ClusterSpec, space: Space, quick: Quick,
@@ -54,7 +57,8 @@ def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: Cluste
     notes += _alternatives("tp", plan, ctx)
     blocks = len(graph.blocks)
     if c.pp > 1:
-        sizes = [sum(1 for n in s.layer_names if n in {b.name for b in graph.blocks}) for s in plan.stages]
+        names = {b.name for b in graph.blocks}
+        sizes = [sum(1 for n in s.layer_names if n in names) for s in plan.stages]
         mbs = _n(c.num_microbatches(plan.global_batch), "microbatch")
         notes.append(f"pp={c.pp} cuts the {blocks} blocks into {len(plan.stages)} stages ({_sizes(sizes)} blocks) so "
                      f"each device holds 1/{c.pp} of the weights; with {mbs} the bubble costs "

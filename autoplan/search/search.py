@@ -17,6 +17,7 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
 from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute
 from autoplan.search.hetero import group_notes, plan_stages
+from autoplan.search.memo import MemoCost
 from autoplan.search.notes import nothing_fits_message, plan_notes
 from autoplan.search.parallel import run_parts
 from autoplan.search.refine import refine
@@ -58,7 +59,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     """The top_k fitting plans, fastest first, ties folded (search.ties); ValueError (with the overflow and
     the remedies) if none fits. `record`, when given, receives the candidates: "quick" (the quick estimate
     of every candidate) and "exact" (the exactly estimated, fitting ones), for a Pareto plot."""
-    cost = cost_model or importlib.import_module("autoplan.cost")
+    cost = MemoCost(cost_model or importlib.import_module("autoplan.cost"))  # each exact estimate made once
     options, restricted = token_free_restriction(graph, options)
     with _status(options.progress) as status:
         status(f"enumerating configurations for {cluster.num_devices} devices")
@@ -139,11 +140,12 @@ def _rounds(graph, cluster, space: Space, quick: Quick, options, cost, status, o
         status(f"exact estimates {done + 1}-{done + len(batch)} of {len(order):,} plausible candidates")
 
         def exact(rows: list[int]) -> list[Candidate]:
-            out = [Candidate(config=space.config(r), estimate=cost.estimate_config(
+            return [Candidate(config=space.config(r), estimate=cost.estimate_config(
                 graph, cluster, space.config(r), global_batch=options.global_batch), row=r) for r in rows]
-            return [c for c in out if c.estimate.fits]
 
-        found += [c for part in run_parts(exact, _halves(batch)) for c in part]
+        for cand in (c for part in run_parts(exact, _halves(batch)) for c in part):
+            cost.remember(graph, cluster, cand.config, cand.estimate, global_batch=options.global_batch)
+            found += [cand] if cand.estimate.fits else []
         done += len(batch)
     return found
 

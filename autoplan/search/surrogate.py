@@ -22,6 +22,7 @@ from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
 from autoplan.search.assemble import assemble, max_param_numel
 from autoplan.search.assemble import inflight as _inflight
 from autoplan.search.layercache import layer_costs
+from autoplan.search.pricing import Pricing, int_codes
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
@@ -144,8 +145,9 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
     cum = np.concatenate([np.zeros((table.shape[0], 1, table.shape[2])), np.cumsum(table, axis=1)], axis=1)
     v_shape = ((c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE)) & (c["virtual_stages"] == 2)).astype(int)
     max_numel = max_param_numel(graph, c["tp"])
-    for pp, v, vee in sorted(set(zip(c["pp"].tolist(), c["virtual_stages"].tolist(), v_shape.tolist()))):
-        idx = np.nonzero((c["pp"] == pp) & (c["virtual_stages"] == v) & (v_shape == vee))[0]
+    prices: dict = {}  # every collective priced once per quick estimate (search/pricing.py)
+    for idx in _pipeline_shapes(c["pp"], c["virtual_stages"], v_shape):
+        pp, v = int(c["pp"][idx[0]]), int(c["virtual_stages"][idx[0]])
         config = space.config(int(idx[0]))  # the schedule decides the placement (plan.layout.stage_ranks)
         stages = cost.balanced_stages(graph, config)
         bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
@@ -154,21 +156,34 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
         placement[np.arange(pp * v), ranks] = 1.0  # [stage, rank]
         layers_per_rank = np.diff(bounds) @ placement
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
-        sub = cum[keys]
-        per_stage = sub[:, bounds[1:]] - sub[:, bounds[:-1]]  # [keys, S, F]
-        per_rank = np.einsum("ksf,sr->krf", per_stage, placement)[inverse.reshape(-1)]
+        inverse = inverse.reshape(-1)
+        sub = cum[keys[:, None], bounds[None, :]]  # [keys, S + 1, F]: the cumulative sums at the cuts
+        per_stage = sub[:, 1:] - sub[:, :-1]  # [keys, S, F]
+        per_rank = np.einsum("ksf,sr->krf", per_stage, placement)  # [keys, p, F]
         extra = {"hops": np.broadcast_to(_hops(ranks, pp), (len(idx), pp)), "out_bytes": out_bytes[key_of[idx]],
                  "max_numel": max_numel[idx]}
         for name in ("params", "work"):  # per-rank maxima over the rank's stages
-            stage_max = np.maximum.reduceat(table[keys][:, :, FIELDS.index(name)], bounds[:-1], axis=1)
+            stage_max = np.maximum.reduceat(table[keys, :, FIELDS.index(name)], bounds[:-1], axis=1)
             rank_max = np.stack([stage_max[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1)
                                  for k in range(pp)], axis=1)
-            extra["max_params" if name == "params" else "work"] = rank_max[inverse.reshape(-1)]
-        f = {name: per_rank[:, :, i] for i, name in enumerate(FIELDS)}
+            extra["max_params" if name == "params" else "work"] = rank_max[inverse]
+        f = {name: per_rank[:, :, i][inverse] for i, name in enumerate(FIELDS)}
         cols = {k: col[idx] for k, col in c.items()}
+        # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
         step[idx], peak[idx], act_out[idx] = assemble(f, layers_per_rank, extra, cols, pp, v, global_batch,
-                                                      cluster, engine)
+                                                      cluster, engine, Pricing(prices, inverse))
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
+
+
+def _pipeline_shapes(pp: np.ndarray, v: np.ndarray, v_shape: np.ndarray) -> list[np.ndarray]:
+    """The candidate rows of each (pp, virtual stages, V-shape), rows ascending, in the order of the sorted
+    triples (one sort for all, instead of a scan of every row per triple)."""
+    code = int_codes(pp, v, v_shape)
+    if not len(code):
+        return []
+    order = np.argsort(code, kind="stable")
+    starts = np.flatnonzero(np.diff(code[order], prepend=-1))
+    return np.split(order, starts[1:])
 
 
 def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
