@@ -9,6 +9,7 @@ of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) ma
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,7 @@ from autoplan.cost.overlap import contention_fraction
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
-from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, int_codes, per_mesh, placement_price, price_rows
+from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, int_codes, per_mesh, price_rows
 from autoplan.search.space import RECOMPUTES, SCHEDULES
 
 _LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "reduce_every_microbatch",
@@ -36,15 +37,20 @@ def layouts(c: dict[str, np.ndarray], engine: Engine) -> dict[str, np.ndarray]:
     gradients are reduce-scattered."""
     keys = np.stack([c["zero"], c["pp"], c["dp"], c["ep"], c["cp"]], axis=1)
     _, first, inverse = np.unique(int_codes(*keys.T), return_index=True, return_inverse=True)
-    rows = []
-    for z, pp, dp, ep, cp in keys[first].tolist():
-        lay = zero_layout(ParallelConfig(zero=z, pp=pp, dp=dp, ep=ep, cp=cp), 1, zero3=engine.zero3,
-                          pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
-        rows.append([float(getattr(lay, f)) for f in _LAYOUT_FIELDS] + [float(lay.grad_reduction == "reduce_scatter")])
+    rows = [_layout_row(z, pp, dp, ep, cp, engine.zero3, engine.pipelined_fsdp_defers_sync)
+            for z, pp, dp, ep, cp in keys[first].tolist()]
     table = np.array(rows)[inverse.reshape(-1)]
     out = {f: table[:, i] for i, f in enumerate(_LAYOUT_FIELDS)}
     out["reduce_scatter"] = table[:, len(_LAYOUT_FIELDS)]
     return out
+
+
+@lru_cache(maxsize=65536)
+def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defers: bool) -> tuple[float, ...]:
+    """zero_layout's fields (and whether gradients are reduce-scattered) as floats, once per distinct input."""
+    lay = zero_layout(ParallelConfig(zero=zero, pp=pp, dp=dp, ep=ep, cp=cp), 1, zero3=zero3,
+                      pipelined_fsdp_defers_sync=defers)
+    return tuple(float(getattr(lay, f)) for f in _LAYOUT_FIELDS) + (float(lay.grad_reduction == "reduce_scatter"),)
 
 
 _KINDS = {"ag": comm.all_gather_s, "rs": comm.reduce_scatter_s, "ar": comm.all_reduce_s}
@@ -69,16 +75,18 @@ def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarr
                  cluster: ClusterSpec) -> np.ndarray:
     """cost.comm's time of `kind` ('ag', 'rs', 'ar') for each candidate's group over `axes` (the mesh from
     mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array [n] or [n, p]);
-    each distinct (mesh, bytes) pair is priced once (search/pricing.py)."""
+    each distinct (group placement, bytes) pair is priced once (search/pricing.py)."""
     mesh = sizes if isinstance(sizes, Mesh) else Mesh.of(sizes)
+    per_node = cluster.devices_per_node
     if axes == EXPERT_DP:
-        def place(cfg: ParallelConfig) -> Any:
-            return expert_dp_placement(cfg, cluster.devices_per_node)
+        def place(row: tuple[int, ...]) -> Any:
+            return expert_dp_placement(config_of(row), per_node)
     else:
-        def place(cfg: ParallelConfig) -> Any:
-            return comm.group_placement(cfg, axes, cluster.devices_per_node)
-    price = placement_price(_KINDS[kind], place, cluster, mesh.prices, axes)
-    return price_rows(mesh, np.round(np.asarray(nbytes, dtype=float)), price, (kind, axes))
+        def place(row: tuple[int, ...]) -> Any:
+            return comm.group_placement(config_of(row), axes, per_node)
+    fn = _KINDS[kind]
+    return price_rows(mesh, np.round(np.asarray(nbytes, dtype=float)), place, lambda b, group: fn(b, group, cluster),
+                      (axes, kind))
 
 
 def _uniform_exposed(compute: np.ndarray, pre: np.ndarray, post: np.ndarray, layers: np.ndarray) -> np.ndarray:
@@ -160,13 +168,13 @@ def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: Clu
     distinct (mesh, bytes) priced once)."""
     mesh = sizes if sizes is not None else mesh_sizes(c)
 
-    def price(row: tuple[int, ...], nbytes: float) -> float:
+    def crosses(row: tuple[int, ...]) -> bool:
         pp, dp, ep, cp, tp = row[:5]  # the pp group's placement reads MESH_AXIS_ORDER's five
         cfg = ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
-        return comm.p2p_s(nbytes, comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes,
-                          cluster)
+        return comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes
 
-    return price_rows(mesh, np.round(out_bytes), price, ("p2p",), skip_nonpositive=False)
+    return price_rows(mesh, np.round(out_bytes), crosses, lambda b, cross: comm.p2p_s(b, cross, cluster),
+                      ("pp-crosses", "p2p"), skip_nonpositive=False)
 
 
 def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:

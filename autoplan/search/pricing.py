@@ -18,7 +18,7 @@ what pricing each candidate directly gives.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,53 +112,53 @@ def config_of(mesh: tuple[int, ...]) -> ParallelConfig:
     return ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp, etp=etp, eep=eep)
 
 
-def price_rows(mesh: Mesh, values: np.ndarray, price: Callable[[tuple[int, ...], float], float], tag: tuple,
-               skip_nonpositive: bool = True) -> np.ndarray:
-    """price(mesh row, value) for every element of `values` ([n] or [n, p], one row per candidate of
-    `mesh`), each distinct (mesh row, value) once: per class its representative's row, then any row that
-    differs from its representative on its own; prices are kept in mesh.prices under (tag, mesh row,
-    value). Values <= 0 price 0 when `skip_nonpositive` (nothing to send)."""
+def price_rows(mesh: Mesh, values: np.ndarray, place: Callable[[tuple[int, ...]], Hashable],
+               fn: Callable[[float, Any], float], tags: tuple[Hashable, Hashable], skip_nonpositive: bool = True
+               ) -> np.ndarray:
+    """fn(value, place(mesh row)) for every element of `values` ([n] or [n, p], one row per candidate of
+    `mesh`), each distinct question once: per class its representative's row, then any row that differs
+    from its representative on its own. Kept in mesh.prices: each group, under ("group", tags[0], mesh row),
+    and each price, under (tags[1], group, value), so meshes with one placement share their prices. Values
+    <= 0 price 0 when `skip_nonpositive` (nothing to send)."""
     values = np.asarray(values, dtype=float)
     flat = values.reshape(len(values), -1)
     sub = flat[mesh.reps]
-    out = _price_distinct(mesh, mesh.class_mesh, sub, price, tag, skip_nonpositive)[mesh.inverse]
+    out = _price_distinct(mesh, mesh.class_mesh, sub, place, fn, tags, skip_nonpositive)[mesh.inverse]
     odd = np.nonzero(~(sub[mesh.inverse] == flat).all(axis=1))[0]
     if len(odd):
-        out[odd] = _price_distinct(mesh, mesh.class_mesh[mesh.inverse[odd]], flat[odd], price, tag, skip_nonpositive)
+        out[odd] = _price_distinct(mesh, mesh.class_mesh[mesh.inverse[odd]], flat[odd], place, fn, tags,
+                                   skip_nonpositive)
     return out.reshape(values.shape)
 
 
-def _price_distinct(mesh: Mesh, mesh_of: np.ndarray, values: np.ndarray,
-                    price: Callable[[tuple[int, ...], float], float], tag: tuple, skip_nonpositive: bool) -> np.ndarray:
-    """price of each element of values [m, p] with its row's mesh (mesh.meshes[mesh_of[row]]), each distinct
-    (mesh, value) computed once per quick estimate (mesh.prices)."""
+def _price_distinct(mesh: Mesh, mesh_of: np.ndarray, values: np.ndarray, place: Callable[[tuple[int, ...]], Hashable],
+                    fn: Callable[[float, Any], float], tags: tuple[Hashable, Hashable],
+                    skip_nonpositive: bool) -> np.ndarray:
+    """fn(value, group of its row's mesh) for each element of values [m, p] (row i's mesh is
+    mesh.meshes[mesh_of[i]]), each distinct (mesh, value) looked up once, each price computed once per
+    quick estimate (mesh.prices)."""
     per = values.shape[1]
     distinct, rank = np.unique(values.reshape(-1), return_inverse=True)
     pairs, inverse = np.unique(np.repeat(mesh_of.astype(np.int64), per) * len(distinct) + rank.reshape(-1),
                                return_inverse=True)
-    memo, meshes = mesh.prices, mesh.meshes
+    memo, meshes, groups = mesh.prices, mesh.meshes, {}
     out = np.zeros(len(pairs))
     for i, (m, b) in enumerate(zip((pairs // len(distinct)).tolist(), distinct[pairs % len(distinct)].tolist())):
         if skip_nonpositive and b <= 0:
             continue
-        key = (tag, meshes[m], b)
+        group = groups.get(m)
+        if group is None:
+            group = groups[m] = _memo(memo, ("group", tags[0], meshes[m]), lambda m=m: place(meshes[m]))
+        key = (tags[1], group, b)
         value = memo.get(key)
         if value is None:
-            value = memo[key] = price(meshes[m], b)
+            value = memo[key] = fn(b, group)
         out[i] = value
     return out[inverse.reshape(-1)].reshape(values.shape)
 
 
-def placement_price(fn: Callable[[float, Any, Any], float], place: Callable[[ParallelConfig], Any], cluster: Any,
-                    memo: dict[tuple, Any], tag: tuple) -> Callable[[tuple[int, ...], float], float]:
-    """price(mesh, bytes) = fn(bytes, place(config of mesh), cluster), the placement computed once per mesh
-    (kept in `memo` under ("placement", tag, mesh))."""
-
-    def price(mesh: tuple[int, ...], nbytes: float) -> float:
-        key = ("placement", tag, mesh)
-        group = memo.get(key)
-        if group is None:
-            group = memo[key] = place(config_of(mesh))
-        return fn(nbytes, group, cluster)
-
-    return price
+def _memo(memo: dict[tuple, Any], key: tuple, make: Callable[[], Any]) -> Any:
+    found = memo.get(key)
+    if found is None:
+        found = memo[key] = make()
+    return found
