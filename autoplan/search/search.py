@@ -18,7 +18,7 @@ from autoplan.graph.types import LayerGraph
 from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute
 from autoplan.search.hetero import group_notes, plan_stages
 from autoplan.search.memo import MemoCost
-from autoplan.search.notes import nothing_fits_message, plan_notes
+from autoplan.search.notes import ALTERNATIVE_AXES, alternative_rows, nothing_fits_message, plan_notes
 from autoplan.search.parallel import run_parts
 from autoplan.search.refine import refine
 from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space, token_free_restriction
@@ -85,8 +85,26 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
                         + group_notes(p, graph, cluster) + ((restricted,) if restricted else ()))
                 for p, (cand, _) in part]
 
-    # the best plan's notes weigh the alternatives (exact estimates): it goes alone beside the others
-    return tuple(p for part in run_parts(noted, [pairs[:1], pairs[1:]] if len(pairs) > 1 else [pairs]) for p in part)
+    # the best plan's notes weigh the alternatives: their exact estimates first, over the cores
+    _estimate_alternatives(graph, cluster, space, quick, plans[0], ranked[0][0].row, options, cost)
+    return tuple(noted(pairs))
+
+
+def _estimate_alternatives(graph, cluster, space: Space, quick: Quick, best: Plan, row: int, options, cost) -> None:
+    """The exact estimates the best plan's notes will ask for (notes.alternative_rows), made in two halves
+    side by side and kept in the search's memo (cost: a MemoCost)."""
+    if row < 0:
+        return
+    rows = list(dict.fromkeys(r for axis in ALTERNATIVE_AXES
+                              for _, some in alternative_rows(axis, space, quick, row, best.estimate.mem_capacity_bytes)
+                              for r in some))
+
+    def exact(part: list[int]) -> list[tuple[int, Estimate]]:
+        return [(r, cost.estimate_config(graph, cluster, space.config(r), global_batch=options.global_batch))
+                for r in part]
+
+    for r, est in (pair for part in run_parts(exact, _halves(rows)) for pair in part):
+        cost.remember(graph, cluster, space.config(r), est, global_batch=options.global_batch)
 
 
 def _quick_estimates(graph: LayerGraph, cluster: ClusterSpec, space: Space, global_batch: int, cost: Any) -> Quick:
