@@ -41,6 +41,7 @@ def capture(
     model_name: str | None = None,
     example_inputs: tuple[Any, ...] | None = None,
     reuse_blocks: bool = True,
+    copy_model: bool = True,
 ) -> LayerGraph:
     """The layer graph of `model` for one microbatch of `microbatch` sequences of `seq_len` tokens.
 
@@ -48,6 +49,8 @@ def capture(
     `input_ids=..., use_cache=False`); others a float input [microbatch, seq_len, in_features] for a
     leading Linear, [microbatch, C, side*stride, side*stride] with side = sqrt(seq_len) patches for a
     leading Conv2d; or pass `example_inputs` (tensors on any device; only shapes and dtypes are used).
+    `copy_model=False` traces `model` itself, its tensors swapped in place for the same meta tensors (faster,
+    the same graph; for a model built only to be captured: it is left on meta, in train mode).
     """
     _check_size("seq_len", seq_len)
     _check_size("microbatch", microbatch)
@@ -55,7 +58,7 @@ def capture(
         raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
-    shadow = _meta_copy(model, dtype)
+    shadow = _meta_copy(model, dtype) if copy_model else _to_meta_in_place(model, dtype)
     shadow.train()
     args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
     units = layers.find_units(shadow)
@@ -137,9 +140,9 @@ def _check_size(name: str, value: Any) -> None:
         )
 
 
-def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A deep copy whose parameters are meta tensors of `dtype` (floating ones) and buffers meta tensors
-    of their own dtype: no weight is read, copied or moved."""
+def _meta_tensors(model: nn.Module, dtype: torch.dtype) -> dict[int, Any]:
+    """id of each parameter and buffer -> its meta stand-in: parameters meta tensors of `dtype` (floating
+    ones), buffers meta tensors of their own dtype (tied tensors once)."""
     memo: dict[int, Any] = {}
     for t in itertools.chain(model.parameters(), model.buffers()):
         if id(t) in memo:
@@ -151,6 +154,24 @@ def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
             )
         else:
             memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
+    return memo
+
+
+def _to_meta_in_place(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model` with every parameter and buffer replaced by _meta_copy's stand-in, without copying the rest."""
+    memo = _meta_tensors(model, dtype)
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = memo[id(t)]
+    return model
+
+
+def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A deep copy whose parameters are meta tensors of `dtype` (floating ones) and buffers meta tensors
+    of their own dtype: no weight is read, copied or moved."""
+    memo = _meta_tensors(model, dtype)
     try:
         return copy.deepcopy(model, memo)
     except Exception as exc:
