@@ -122,6 +122,8 @@ def price_rows(mesh: Mesh, values: np.ndarray, place: Callable[[tuple[int, ...]]
     <= 0 price 0 when `skip_nonpositive` (nothing to send)."""
     values = np.asarray(values, dtype=float)
     flat = values.reshape(len(values), -1)
+    if skip_nonpositive and (flat <= 0).all():  # nothing to send anywhere (a dense model's experts)
+        return np.zeros(values.shape)
     sub = flat[mesh.reps]
     out = _price_distinct(mesh, mesh.class_mesh, sub, place, fn, tags, skip_nonpositive)[mesh.inverse]
     odd = np.nonzero(~(sub[mesh.inverse] == flat).all(axis=1))[0]
