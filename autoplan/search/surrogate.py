@@ -149,7 +149,7 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
         shape = _shape_tables(graph, space.config(int(idx[0])), table, cum, keys, cost)
         order = np.argsort(inverse.reshape(-1), kind="stable")  # the rows of each key together
-        for part in _chunks(inverse.reshape(-1)[order]):
+        for part in _chunks(inverse.reshape(-1)[order], max(CHUNK // pp, 64)):
             rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
             extra = {"hops": np.broadcast_to(shape["hops"], (len(rows), pp)), "out_bytes": shape["out_bytes"][key],
                      "max_numel": max_numel[rows], "max_params": shape["max_params"][key],
@@ -162,15 +162,15 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
 
 
-CHUNK = 8192  # candidates assembled at once: [CHUNK, pp] arrays of a few hundred kB, which stay in cache
+CHUNK = 65536  # candidates x pipeline ranks assembled at once: arrays of about 512 kB, which stay in cache
 
 
-def _chunks(sorted_keys: np.ndarray) -> list[slice]:
-    """Consecutive slices of about CHUNK rows of `sorted_keys` (sorted), each cut at a change of key (a key
-    longer than CHUNK gets a slice of its own)."""
+def _chunks(sorted_keys: np.ndarray, rows: int) -> list[slice]:
+    """Consecutive slices of about `rows` rows of `sorted_keys` (sorted), each cut at a change of key (a key
+    longer than that gets a slice of its own)."""
     out, start, n = [], 0, len(sorted_keys)
     while start < n:
-        end = min(start + CHUNK, n)
+        end = min(start + rows, n)
         if end < n:
             cut = int(np.searchsorted(sorted_keys, sorted_keys[end], side="left"))
             end = cut if cut > start else int(np.searchsorted(sorted_keys, sorted_keys[end], side="right"))
