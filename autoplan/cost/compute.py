@@ -72,6 +72,15 @@ class BlockShape:
         return self.num_shared if self.num_experts else 1
 
     @property
+    def dropout(self) -> bool:
+        """Whether the block trains with dropout (attention and hidden dropout masks): a GPT-style (GELU)
+        block as Megatron's GPT runs it (--attention-dropout 0.1 --hidden-dropout 0.1 by default,
+        megatron/arguments.py; Korthikanti et al. 2022 count the masks); a Llama-style (SwiGLU) block
+        trains without (Touvron et al. 2023; Dubey et al. 2024; Hugging Face LlamaConfig attention_dropout
+        0.0), as this model's other Llama-isms (RMSNorm, RoPE) are keyed on the SwiGLU MLP."""
+        return self.n_mlp == 2
+
+    @property
     def qkv_out_width(self) -> int:
         """Output width of the fused QKV projection: h + 2 h g / a (grouped-query attention)."""
         return self.h + 2 * self.h * self.g // self.a
@@ -137,8 +146,9 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
     """Forward memory traffic of a block's elementwise kernels, (total, attention-score part), bytes,
     counting each kernel's reads + writes (the fused kernels of Megatron-LM; Korthikanti et al. 2022
     section 4.1 lists the same tensors):
-    - 2 norms: read h, write h each; 2 bias-dropout-residual adds: read 2h, write h, 1-byte mask h;
-      replicated over tp ranks without SP, split with SP;
+    - 2 norms: read h, write h each; 2 bias-dropout-residual adds: read 2h, write h, 1-byte mask h (no
+      mask in a block without dropout, BlockShape.dropout); replicated over tp ranks without SP, split
+      with SP;
     - MLP activation: n_mlp * f elements (GELU: read f, write f; SwiGLU: read 2f, write f), split
       over tp;
     - MoE: permute + unpermute copies of top_k * h per token (read and write), and the activation
@@ -146,7 +156,8 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
       theirs);
     - unfused attention scores (when materialised), a s per token split over tp: the fused
       scale-mask-softmax reads and writes them, dropout reads and writes them plus a 1-byte mask
-      (4 accesses + 1 byte; the Q K^T GEMM's write and the P V GEMM's read are in their rooflines).
+      (4 accesses + 1 byte; 2 accesses without dropout; the Q K^T GEMM's write and the P V GEMM's read
+      are in their rooflines).
     - a SwiGLU (Llama-style) block's rotary embedding of Q and K: read and write h + h g / a per token.
     `fused` False (eager kernels): a SwiGLU block's norms (RMSNorm), its SwiGLU and its RoPE move
     EAGER_RMSNORM_TRAFFIC, EAGER_SWIGLU_TRAFFIC and EAGER_ROPE_TRAFFIC times their fused traffic."""
@@ -164,11 +175,11 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
         permute = (4.0 * shape.top_k * shape.h * config.expert_tp / t if config.folded
                    else 4.0 * shape.top_k * shape.h / h_split)
         elements += permute + act * shape.top_k * shape.n_mlp * shape.f_e / t
-    mask_bytes = 2.0 * shape.h / h_split
+    mask_bytes = 2.0 * shape.h / h_split if shape.dropout else 0.0
     total = tokens * (elements * dtype_bytes + mask_bytes)
     scores = 0.0
-    if scores_materialised:
-        scores = tokens * shape.a * seq_len / t * (4.0 * dtype_bytes + 1.0)
+    if scores_materialised:  # softmax read + write; dropout read + write + its 1-byte mask
+        scores = tokens * shape.a * seq_len / t * ((4.0 * dtype_bytes + 1.0) if shape.dropout else 2.0 * dtype_bytes)
     return total + scores, scores
 
 

@@ -40,7 +40,8 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     (2h + 4hg/a), the projection input (2h), the MLP hidden (GELU 4f: 2 f in + 2 f out; SwiGLU 6f),
     for MoE top_k copies of the expert input and hidden; the attention scores 5 a s per token (softmax
     output 2, dropout mask 1, dropout output 2) only when the kernel materialises them
-    (FlashAttention does not). MHA with f = 4h gives 10h + 24h/t, as in the paper.
+    (FlashAttention does not). MHA with f = 4h gives 10h + 24h/t, as in the paper. A block without
+    dropout (BlockShape.dropout: Llama-style) has no masks: 8h replicated, 2 a s of scores.
     Selective recompute drops the 5 a s / h term; full keeps only the block input 2 s b h (/t with SP)
     and re-materialises one block's activations during its backward (the working extra).
     `selective` 'op' is torchtitan's per-op selective checkpointing instead (torchtitan
@@ -51,7 +52,8 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     t, cp = config.tp, config.cp
     tokens = b * s / cp
     h_split = t if config.sp else 1
-    replicated = 10.0 * shape.h  # bytes per token at 16 bits, as the paper counts them
+    # bytes per token at 16 bits, as the paper counts them; without dropout (BlockShape.dropout) no masks
+    replicated = 10.0 * shape.h if shape.dropout else 8.0 * shape.h
     hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f * shape.dense_mlps
     split = 2.0 * shape.h + 4.0 * shape.h * shape.g / shape.a + 2.0 * shape.h + hidden
     if shape.num_experts and shape.top_k:
@@ -61,7 +63,8 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
         copies = 2.0 * shape.h * (config.expert_tp if config.folded else 1)
         split += shape.top_k * (copies + e_hidden)
     per_token = (replicated / h_split + split / t) * dtype_bytes / 2.0
-    scores = 5.0 * shape.a * s / t * dtype_bytes / 2.0 if scores_materialised else 0.0
+    score_bytes = 5.0 if shape.dropout else 2.0  # softmax output (+ dropout mask and output)
+    scores = score_bytes * shape.a * s / t * dtype_bytes / 2.0 if scores_materialised else 0.0
     full = tokens * (per_token + scores)
     if recompute is Recompute.NONE:
         return full, 0.0
