@@ -138,6 +138,7 @@ class ComputeTimes:
     gemm_bwd_s: float = 0.0  # ... and in backward
     host_fwd_s: float = 0.0  # host time to issue the forward's ops
     host_bwd_s: float = 0.0  # ... and the backward's
+    host_rec_s: float = 0.0  # ... and a fully recomputed forward's (the block's forward ops again)
 
 
 def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, config: ParallelConfig,
@@ -277,8 +278,10 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     writes one gradient: 3 accesses for the forward's 2). Recompute: full re-runs the block's forward;
     selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5).
 
-    Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each;
-    kernels are asynchronous, so a phase takes max(device, host) (layer.py combines them)."""
+    Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
+    fully recomputed block its forward's again, and the activation-checkpoint wrapper around it
+    engine.checkpoint_forward_ops / checkpoint_backward_ops more; kernels are asynchronous, so a phase
+    takes max(device, host) (layer.py combines them)."""
     engine = engine or Engine()
     t = config.tp
     tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
@@ -314,9 +317,13 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     else:
         rec = attention_fwd
     ops_f, ops_b = host_ops(layer, engine)
+    ops_r = ops_f if layer.role is LayerRole.BLOCK and recompute is Recompute.FULL else 0.0
+    if ops_r and not engine.cuda_graphs:  # the checkpoint wrapper's own ops around the block
+        ops_f, ops_b = ops_f + engine.checkpoint_forward_ops, ops_b + engine.checkpoint_backward_ops
+    op = device.op_overhead_s
     return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=dw_s, recompute_s=rec, attention_fwd_s=attention_fwd,
-                        gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * device.op_overhead_s,
-                        host_bwd_s=ops_b * device.op_overhead_s)
+                        gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op, host_bwd_s=ops_b * op,
+                        host_rec_s=ops_r * op)
 
 
 def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float) -> tuple[float, float]:

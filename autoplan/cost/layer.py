@@ -95,14 +95,13 @@ def _with_host(times: ComputeTimes, recompute: Recompute, layer: Layer) -> tuple
     ops again. Small layers at small microbatches are bound by it."""
     rec = times.recompute_s
     if recompute is Recompute.FULL and layer.role is LayerRole.BLOCK and rec:
-        rec = max(rec, times.host_fwd_s)
+        rec = max(rec, times.host_rec_s)
     return max(times.fwd_s, times.host_fwd_s), max(times.bwd_s, times.host_bwd_s), rec
 
 
 def _host_total(times: ComputeTimes, recompute: Recompute, layer: Layer) -> float:
     """All host time of the layer in one microbatch (forward, backward, a fully recomputed forward)."""
-    full = recompute is Recompute.FULL and layer.role is LayerRole.BLOCK
-    return times.host_fwd_s * (2.0 if full else 1.0) + times.host_bwd_s
+    return times.host_fwd_s + times.host_rec_s + times.host_bwd_s
 
 
 def _scores_materialised(layer: Layer, shape: BlockShape, graph_microbatch: int, seq_len: int) -> bool:
