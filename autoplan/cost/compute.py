@@ -19,6 +19,7 @@ from autoplan.cost.kernels import (
 )
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
+from autoplan.plan.layout import expert_tp_split
 from autoplan.plan.types import ParallelConfig, Recompute
 
 __all__ = ["BlockShape", "ComputeTimes", "block_shape", "gemm_pass_s", "layer_compute", "matmul_efficiency",
@@ -141,9 +142,19 @@ class ComputeTimes:
     host_rec_s: float = 0.0  # ... and a fully recomputed forward's (the block's forward ops again)
 
 
+def expert_divisor(config: ParallelConfig, engine: Engine | None = None) -> int:
+    """What a device's routed-expert work and activations per token of its dense replica are divided by:
+    tp when folded (each tp rank routes tokens / tp, gathered etp-fold into 1/etp of each expert), else the
+    experts' own tp split (plan.layout.expert_tp_split: tp under an engine that splits unfolded experts
+    over tp, 1 under autoplan's executor, which runs them whole on every tp rank)."""
+    if config.folded:
+        return config.tp
+    return expert_tp_split(config, unfolded_over_tp=(engine or Engine()).tp_splits_unfolded_experts)
+
+
 def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, config: ParallelConfig,
                             dtype_bytes: int, scores_materialised: bool, *,
-                            fused: bool = True) -> tuple[float, float]:
+                            fused: bool = True, expert_div: int | None = None) -> tuple[float, float]:
     """Forward memory traffic of a block's elementwise kernels, (total, attention-score part), bytes,
     counting each kernel's reads + writes (the fused kernels of Megatron-LM; Korthikanti et al. 2022
     section 4.1 lists the same tensors):
@@ -153,8 +164,8 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
     - MLP activation: n_mlp * f elements (GELU: read f, write f; SwiGLU: read 2f, write f), split
       over tp;
     - MoE: permute + unpermute copies of top_k * h per token (read and write), and the activation
-      of the top_k routed experts (n_mlp * f_e each) in place of the dense MLP's (shared experts keep
-      theirs);
+      of the top_k routed experts (n_mlp * f_e each, over `expert_div`: expert_divisor, tp by default)
+      in place of the dense MLP's (shared experts keep theirs);
     - unfused attention scores (when materialised), a s per token split over tp: the fused
       scale-mask-softmax reads and writes them, dropout reads and writes them plus a 1-byte mask
       (4 accesses + 1 byte; 2 accesses without dropout; the Q K^T GEMM's write and the P V GEMM's read
@@ -175,7 +186,7 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
         # folded: each tp rank permutes its own tokens / tp, and etp times as many rows after the gather
         permute = (4.0 * shape.top_k * shape.h * config.expert_tp / t if config.folded
                    else 4.0 * shape.top_k * shape.h / h_split)
-        elements += permute + act * shape.top_k * shape.n_mlp * shape.f_e / t
+        elements += permute + act * shape.top_k * shape.n_mlp * shape.f_e / (expert_div or t)
     mask_bytes = 2.0 * shape.h / h_split if shape.dropout else 0.0
     total = tokens * (elements * dtype_bytes + mask_bytes)
     scores = 0.0
@@ -185,7 +196,7 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
 
 
 def _block_gemm_groups(shape: BlockShape, tokens: float, total_mm: float, expert_mm: float,
-                       config: ParallelConfig) -> list[tuple[float, float, float, float]]:
+                       config: ParallelConfig, expert_div: int | None = None) -> list[tuple[float, float, float, float]]:
     """(m, k, n, count) of each weight matmul of a block on this device, tp-split (Megatron column / row
     parallel, Shoeybi et al. 2019): QKV [T x h] @ [h x (h + 2hg/a)/t], projection [T x h/t] @ [h/t x h],
     each MLP matmul [T x h] @ [h x f/t]; routed experts as _expert_gemm says (unfolded: [T k ep / E x h]
@@ -200,7 +211,7 @@ def _block_gemm_groups(shape: BlockShape, tokens: float, total_mm: float, expert
               (tokens, shape.h / t, shape.h, attn_proj * proj / (qkv + proj) / proj if proj else 0.0),
               (tokens, shape.h, shape.f / t, mlp / (2.0 * tokens * shape.h * shape.f / t))]
     if expert_mm > 0:
-        per_expert_tokens, width = _expert_gemm(shape, config, tokens)
+        per_expert_tokens, width = _expert_gemm(shape, config, tokens, expert_div or config.tp)
         one = 2.0 * per_expert_tokens * shape.h * width
         groups.append((per_expert_tokens, shape.h, width, expert_mm / one))
     return groups
@@ -285,8 +296,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     engine = engine or Engine()
     t = config.tp
     tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
-    total_mm = layer.fwd_matmul_flops * scale / t
-    expert_mm = layer.fwd_expert_flops * scale / t
+    expert_div = expert_divisor(config, engine)
+    expert_mm = layer.fwd_expert_flops * scale / expert_div
+    total_mm = (layer.fwd_matmul_flops - layer.fwd_expert_flops) * scale / t + expert_mm
     shape = block_shape(layer, graph_tokens)
     if shape is None:
         mm_s = matmul_time_s(device, peak_flops, total_mm, total_mm)
@@ -294,13 +306,14 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         elementwise_bytes = _fallback_bytes(layer, dtype_bytes) * scale / (t if layer.role is LayerRole.HEAD else 1)
         score_bytes = 0.0
     else:
-        groups = _block_gemm_groups(shape, tokens, total_mm, expert_mm, config)
+        groups = _block_gemm_groups(shape, tokens, total_mm, expert_mm, config, expert_div)
         acc = 2.0 * GRAD_ACCUMULATE_BYTES
         mm_s = sum(gemm_pass_s(device, peak_flops, m, k, n, c, dtype_bytes) for m, k, n, c in groups)
         dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
         dw_s = sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups)
         elementwise_bytes, score_bytes = block_elementwise_bytes(
-            shape, tokens, seq_len, config, dtype_bytes, scores_materialised, fused=engine.fused_elementwise)
+            shape, tokens, seq_len, config, dtype_bytes, scores_materialised, fused=engine.fused_elementwise,
+            expert_div=expert_div)
     attn_fwd, attn_bwd = _attention_s(layer, shape, device, peak_flops, config, scale=scale, seq_len=seq_len,
                                       dtype_bytes=dtype_bytes, scores_materialised=scores_materialised,
                                       nonmatmul_ratio=nonmatmul_ratio)
@@ -326,16 +339,17 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
                         host_rec_s=ops_r * op)
 
 
-def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float) -> tuple[float, float]:
+def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float, split: int) -> tuple[float, float]:
     """(rows, output width) of one routed expert's GEMM on a device, balanced routing. Unfolded: the tp
-    group's tokens, experts sharded over ep and split over tp: tokens top_k ep / E rows of width f_e / t.
+    group's tokens, experts sharded over ep and split `split` ways (expert_divisor: tp, or 1 when the
+    engine runs them whole on every tp rank): tokens top_k ep / E rows of width f_e / split.
     Folded (etp, eep): each tp rank routes tokens / tp of them, an expert receives the copies of the
     eep * etp ranks of its expert group, split over etp: (tokens / tp) etp eep top_k / E rows of width
     f_e / etp (Megatron-Core's alltoall dispatcher with expert tensor parallelism). The FLOPs per device
     are the same, tokens top_k 2 n_mlp h f_e / tp, in both."""
     experts = max(shape.num_experts, 1)
     if not config.folded:
-        return tokens * shape.top_k * config.ep / experts, shape.f_e / config.tp
+        return tokens * shape.top_k * config.ep / experts, shape.f_e / split
     rows = tokens / config.tp * config.expert_tp * config.expert_ep * shape.top_k / experts
     return rows, shape.f_e / config.expert_tp
 

@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
-from autoplan.cost.compute import BlockShape, ComputeTimes, block_shape, layer_compute
+from autoplan.cost.compute import BlockShape, ComputeTimes, block_shape, expert_divisor, layer_compute
 from autoplan.cost.experts import folded_expert_comm_s
 from autoplan.cost.memory import block_activation_bytes, layer_param_counts, other_activation_bytes
 from autoplan.cost.overlap import contention_fraction
@@ -59,12 +59,13 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
     tokens = graph_tokens * scale
     if shape is not None:
         held, work = block_activation_bytes(shape, config.microbatch, seq_len, config, recompute, dbytes,
-                                            materialised, selective=engine.selective_recompute)
+                                            materialised, selective=engine.selective_recompute,
+                                            expert_div=expert_divisor(config, engine))
         hidden_bytes = tokens * shape.h * dbytes
     else:
         held, work = other_activation_bytes(layer, scale, config, recompute, ratio)
         hidden_bytes = layer.output_bytes * scale * ratio
-    param_count, dense, expert = layer_param_counts(layer, shape, config)
+    param_count, dense, expert = layer_param_counts(layer, shape, config, engine)
     tp_fwd, tp_total = _tp_comm_s(layer, shape, cluster, config, recompute, hidden_bytes, scale * ratio,
                                   times, engine)
     cp_fwd, cp_total = _cp_comm_s(shape, cluster, config, recompute, tokens * config.cp, dbytes,

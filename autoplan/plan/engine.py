@@ -46,6 +46,7 @@ class Engine:
     pipelined_fsdp_defers_sync: bool = True  # with pp > 1, FSDP gradient sync waits for the last microbatch
     dp_bucket_numel: int = 0  # gradient bucket size (elements) of the DP reduction; 0: one bucket per layer
     gather_copy_out: bool = True  # all-gathered weights are copied out of the collective's buffer on the compute stream
+    tp_splits_unfolded_experts: bool = False  # unfolded routed experts split over the dense tp group (plan.layout.expert_tp_split)
     selective_recompute: str = "attention"  # what 'selective' recomputes: Megatron's attention core, or torchtitan's per-op policy
     # DeepSpeed ZeRO-3 (zero3='deepspeed'); ignored with fsdp2
     zero3_prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size

@@ -224,3 +224,35 @@ def test_deepspeed_regathers_the_persistent_parameters_rank_by_rank() -> None:
     ops = ds.GATHER_OPS_PER_RANK * n + layers * 8 * per_param
     latency = comm.all_gather_s(13 * h * layers * 2, GroupPlacement(size=n, num_nodes=2, per_node=8), cluster)
     assert on.step_time_s - off.step_time_s == pytest.approx(ops * 1e-5 + latency, rel=1e-6)
+
+
+def test_the_checkpoint_wrapper_costs_its_host_ops_around_each_recomputed_block() -> None:
+    """A fully recomputed block issues its forward's ops again plus the checkpoint wrapper's own
+    (checkpoint_forward_ops in the forward, checkpoint_backward_ops in the backward): on a device whose
+    kernels take no time the layer's host time is (2 F + B + cf + cb) x op_overhead_s, by hand."""
+    block = gpt_graph(h=256, a=4, layers=1, seq=128).blocks[0]
+    device = dataclasses.replace(IDEAL.device, op_overhead_s=1e-5)
+    cluster = dataclasses.replace(IDEAL, device=device)
+    engine = dataclasses.replace(Engine.load("megatron-lm"), checkpoint_forward_ops=6, checkpoint_backward_ops=15)
+    full = estimate_layer(block, cluster, ParallelConfig(recompute="full"), "full", seq_len=128, engine=engine)
+    none = estimate_layer(block, cluster, ParallelConfig(), "none", seq_len=128, engine=engine)
+    f, b = engine.block_forward_ops, engine.block_backward_ops
+    assert full.host_s == pytest.approx((2 * f + b + 6 + 15) * 1e-5)
+    assert none.host_s == pytest.approx((f + b) * 1e-5)
+
+
+def test_unfolded_experts_split_over_tp_only_where_the_engine_does() -> None:
+    """plan.layout.expert_tp_split is the one home of the fact: autoplan's executor runs unfolded experts
+    whole on every tp rank (1), Megatron-Core splits them over tp (ETP = TP), a folded layout over etp. The
+    expert weights a device holds follow it: E n_mlp h f_e / (ep x split)."""
+    from autoplan.plan.layout import expert_tp_split
+
+    config = ParallelConfig(tp=2, ep=2, dp=2)
+    assert expert_tp_split(config, unfolded_over_tp=False) == 1
+    assert expert_tp_split(config, unfolded_over_tp=True) == 2
+    assert expert_tp_split(ParallelConfig(tp=2, dp=4, etp=1, eep=4), unfolded_over_tp=True) == 1
+    graph = gpt_graph(h=512, a=8, layers=1, seq=256, vocab=1024, experts=8, top_k=2, unfused=False)
+    block = graph.blocks[0]
+    held = {name: estimate_layer(block, IDEAL, config, "none", seq_len=graph.seq_len,
+                                 engine=Engine.load(name)).expert_param_count for name in ("autoplan", "megatron-core")}
+    assert held["autoplan"] == block.expert_params // 2 and held["megatron-core"] == block.expert_params // 4
