@@ -140,6 +140,9 @@ class ComputeTimes:
     host_fwd_s: float = 0.0  # host time to issue the forward's ops
     host_bwd_s: float = 0.0  # ... and the backward's
     host_rec_s: float = 0.0  # ... and a fully recomputed forward's (the block's forward ops again)
+    # weight-gradient GEMMs of the column-parallel linears whose input gradient is tp-reduced (QKV; the
+    # MLP's input projections): what an asynchronous backward TP collective overlaps (Engine.tp_bwd_overlap)
+    wgrad_column_s: tuple[float, ...] = ()
 
 
 def expert_divisor(config: ParallelConfig, engine: Engine | None = None) -> int:
@@ -305,12 +308,15 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         dx_s = dw_s = mm_s
         elementwise_bytes = _fallback_bytes(layer, dtype_bytes) * scale / (t if layer.role is LayerRole.HEAD else 1)
         score_bytes = 0.0
+        wgrad_column = ()
     else:
         groups = _block_gemm_groups(shape, tokens, total_mm, expert_mm, config, expert_div)
         acc = 2.0 * GRAD_ACCUMULATE_BYTES
         mm_s = sum(gemm_pass_s(device, peak_flops, m, k, n, c, dtype_bytes) for m, k, n, c in groups)
         dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
-        dw_s = sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups)
+        dws = [gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups]
+        dw_s = sum(dws)
+        wgrad_column = (dws[0], dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
         elementwise_bytes, score_bytes = block_elementwise_bytes(
             shape, tokens, seq_len, config, dtype_bytes, scores_materialised, fused=engine.fused_elementwise,
             expert_div=expert_div)
@@ -336,7 +342,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     op = device.op_overhead_s
     return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=dw_s, recompute_s=rec, attention_fwd_s=attention_fwd,
                         gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op, host_bwd_s=ops_b * op,
-                        host_rec_s=ops_r * op)
+                        host_rec_s=ops_r * op, wgrad_column_s=wgrad_column)
 
 
 def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float, split: int) -> tuple[float, float]:

@@ -126,6 +126,13 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     producing them; Megatron requires --sequence-parallel for it): each phase's TP communication hides
     behind that phase's weight GEMMs, exposing max(0, comm - GEMMs), and the GEMMs run slower while the
     communication occupies SMs (overlap.contention_fraction of the hidden part).
+
+    engine.tp_bwd_overlap (Megatron-LM from 2021-09, megatron/mpu/layers.py
+    LinearWithGradAccumulationAndAsyncCommunication.backward: `handle = torch.distributed.all_reduce(
+    grad_input, ..., async_op=True)` (with SP `_reduce_scatter_base(..., async_op=True)`), then the
+    weight-gradient GEMM, then handle.wait()): the two column-parallel linears' (QKV, the MLP's input
+    projection) backward collectives hide behind their own weight-gradient GEMMs, exposing max(0, comm -
+    wgrad) each, the hidden part slowing the GEMM by contention_fraction.
     Returns (forward part, total)."""
     if config.tp == 1:
         return 0.0, 0.0
@@ -135,10 +142,15 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
                if config.sp else comm.all_reduce_s(hidden_bytes, group, cluster))
         fwd, bwd = 2 * one, 2 * one
         rec = 2 * one if recompute is Recompute.FULL else 0.0
+        f = contention_fraction(cluster)
         if engine.tp_comm_overlap and config.sp:
-            f = contention_fraction(cluster)
             fwd, bwd, rec = (max(c - g, 0.0) + f * min(c, g) for c, g in
                              ((fwd, times.gemm_fwd_s), (bwd, times.gemm_bwd_s), (rec, times.gemm_fwd_s)))
+        elif engine.tp_bwd_overlap and times.wgrad_column_s:
+            # each column-parallel linear's input-gradient all-reduce (reduce-scatter with SP) runs beside
+            # its weight-gradient GEMM; the row-parallel ones' (SP: all-gathers) stay on the compute stream
+            grad = comm.reduce_scatter_s(hidden_bytes, group, cluster) if config.sp else one
+            bwd = bwd - 2 * grad + sum(max(grad - w, 0.0) + f * min(grad, w) for w in times.wgrad_column_s)
         return fwd, fwd + bwd + rec
     if layer.role is LayerRole.EMBEDDING:
         one = comm.all_reduce_s(hidden_bytes, group, cluster)

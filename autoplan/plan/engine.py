@@ -36,6 +36,7 @@ class Engine:
     cuda_graphs: bool = False  # kernels replayed from CUDA graphs: no host cost per op
     zero3: str = "fsdp2"  # how ZeRO-3 gathers: FSDP2 (per block, prefetched) or DeepSpeed stage 3
     # --- additive fields the physics needs ---
+    tp_bwd_overlap: bool = False  # column-parallel input-gradient TP collectives overlap their weight-gradient GEMMs
     description: str = "autoplan's executor (eager PyTorch, SDPA attention, FSDP2, DTensor TP, torch.distributed.pipelining)"
     block_forward_ops: int = 0  # host-issued ops in one block's forward (0: the captured graph's count)
     block_backward_ops: int = 0  # ... in its backward (0: compute.BACKWARD_OPS_PER_FORWARD_OP x forward)

@@ -130,6 +130,30 @@ def test_tp_overlap_hides_tp_comm_up_to_the_gemm_time(nvlink_bw: float) -> None:
         assert over.tp_comm_s == 0.0
 
 
+@pytest.mark.parametrize("nvlink_bw", [300e9, 3e9])
+def test_async_backward_tp_allreduce_hides_behind_its_weight_gradient(nvlink_bw: float) -> None:
+    """Megatron-LM's --async-tensor-model-parallel-allreduce (tp_bwd_overlap): the backward all-reduce of
+    the QKV and fc1 input gradients runs beside that linear's weight-gradient GEMM (2 T h 3h / t and
+    2 T h 4h / t FLOPs at peak on the ideal device): exposed = sum of max(0, AR - wgrad) + f min(AR, wgrad),
+    f the SM contention share; forward unchanged."""
+    from autoplan.cost.overlap import contention_fraction
+
+    h, a, s, b, t = 8192, 64, 2048, 4, 8
+    cluster = dataclasses.replace(IDEAL, intra_node=dataclasses.replace(IDEAL.intra_node, bw_bytes_per_s=nvlink_bw))
+    block = gpt_graph(h=h, a=a, layers=1, seq=s).blocks[0]
+    config = ParallelConfig(tp=t, microbatch=b)
+    plain = estimate_layer(block, cluster, config, "none", seq_len=s, engine=Engine())
+    over = estimate_layer(block, cluster, config, "none", seq_len=s,
+                          engine=dataclasses.replace(Engine(), tp_bwd_overlap=True))
+    ar = comm.all_reduce_s(b * s * h * 2, GroupPlacement(size=t, num_nodes=1, per_node=t), cluster)
+    f = contention_fraction(cluster)
+    wgrads = (2.0 * b * s * h * 3 * h / t / 312e12, 2.0 * b * s * h * 4 * h / t / 312e12)
+    hand = 2 * ar + sum(max(ar - w, 0.0) + f * min(ar, w) for w in wgrads)
+    assert math.isclose(plain.tp_comm_s, 4 * ar, rel_tol=1e-9)
+    assert math.isclose(over.tp_comm_s, hand, rel_tol=1e-6)
+    assert math.isclose(over.fwd_comm_s, plain.fwd_comm_s, rel_tol=1e-12)
+
+
 # --- data-parallel overlap -----------------------------------------------------------------------------
 
 def test_without_dp_overlap_the_gradient_reduction_is_fully_exposed() -> None:
