@@ -255,7 +255,11 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     issue = ds.GATHER_OPS_PER_RANK * n * op if engine.zero3_gather_copy_out else 0.0
 
     def reduce_s(numel: float) -> float:
-        return reduce_fn(numel * wire, groups.dense, cluster)
+        # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
+        # flatten the bucket, divide by n, reduce, copy back into the gradients: three read + write passes
+        fallback = engine.zero3_grad_reduction == "all_reduce"
+        passes = memory_time_s(cluster.device, 3.0 * 2.0 * numel * wire) if fallback else 0.0
+        return reduce_fn(numel * wire, groups.dense, cluster) + passes
 
     full = config.recompute.value == "full"
     layers = []
