@@ -266,8 +266,10 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     for c, layer in zip(rank.costs, rank.layers):
         numels = layer_numels(layer, c, graph, config)
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
-        layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s, c.time_s - c.fwd_s - c.fwd_comm_s
-                                       - c.recompute_s, c.recompute_s, c.host_s, full))
+        # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
+        norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
+        layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
+                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full))
     fwd, bwd, comm_s = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
                                        issue_s=issue)
     base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)

@@ -58,6 +58,7 @@ class Engine:
     zero3_grad_reduction: str = "reduce_scatter"  # 'all_reduce' (DeepSpeed 2021 default) or 'reduce_scatter'
     zero3_sync_per_module: bool = False  # a device synchronize before each sub-module's compute
     zero3_gather_copy_out: bool = False  # all_gather into a list: one copy kernel per rank per gather
+    zero3_fetch_norm: bool = False  # every fetched parameter's norm is computed (a debug f-string evaluated eagerly)
     zero3_regather_persistent: bool = False  # the step ends by re-gathering the persistent parameters rank by rank
     source: str = ""  # the file it came from
 
