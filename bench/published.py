@@ -70,7 +70,7 @@ def predict(rec: dict) -> Result:
     if rec.get("every_other_layer_full"):  # torchtitan "selective layer" AC: every second block fully recomputed
         overrides = {b.name: "full" for i, b in enumerate(graph.blocks) if i % 2 == 0}
     est = estimate_config(graph, cluster, config, global_batch=rec["global_batch"], engine=engine_of(rec),
-                          layer_recompute=overrides, stages=stages_of(rec, graph))
+                          layer_recompute=overrides)
     measured = rec["measured"]
     if "tflops_per_gpu_with_recompute" in measured:
         flops = megatron_flops(B=rec["global_batch"], s=model["seq_len"], l=model["layers"], h=model["hidden"],
@@ -82,17 +82,6 @@ def predict(rec: dict) -> Result:
         step = est.model_flops / (measured["mfu"] * cluster.peak_flops * cl["gpus"])
     return Result(set=rec["set"], label=rec["id"], engine=rec["engine"], predicted_s=est.step_time_s,
                   measured_s=step, fits=est.fits, estimate=est)
-
-
-def stages_of(rec: dict, graph: LayerGraph) -> tuple[tuple[str, ...], ...] | None:
-    """The record's pipeline split: the default (None), or "ends_alone": the embedding alone on the first
-    stage, the head alone on the last, one block on each stage between (Dubey et al. 2024, section 3.3.2:
-    "the first model chunk on the first stage has only the embedding, and the last model chunk on the
-    last stage has only output projection and loss calculation", one Transformer layer taken from each)."""
-    if rec.get("stages") != "ends_alone":
-        return None
-    names = [layer.name for layer in graph.layers]
-    return tuple((name,) for name in names)
 
 
 def records() -> list[dict]:
