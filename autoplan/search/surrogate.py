@@ -159,6 +159,8 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
         per_rank = np.einsum("ksf,sr->krf", per_stage, placement)[inverse.reshape(-1)]
         extra = {"hops": np.broadcast_to(_hops(ranks, pp), (len(idx), pp)), "out_bytes": out_bytes[key_of[idx]],
                  "max_numel": max_numel[idx]}
+        if engine.zero3 == "deepspeed" and engine.zero3_regather_persistent:
+            extra["regather_ops"] = _regather_ops(graph, cluster, c, idx, cost, engine)
         for name in ("params", "work"):  # per-rank maxima over the rank's stages
             stage_max = np.maximum.reduceat(table[keys][:, :, FIELDS.index(name)], bounds[:-1], axis=1)
             rank_max = np.stack([stage_max[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1)
@@ -169,6 +171,27 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
         step[idx], peak[idx], act_out[idx] = assemble(f, layers_per_rank, extra, cols, pp, v, global_batch,
                                                       cluster, engine)
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
+
+
+def _regather_ops(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, np.ndarray], idx: np.ndarray, cost: Any,
+                  engine: Engine) -> np.ndarray:
+    """Host ops per layer of DeepSpeed's per-step re-gather of the persistent parameters
+    (cost.deepspeed.persistent_regather over one block's small parameters, cost.dataparallel.
+    layer_small_numels), per candidate: each distinct (tp, data-parallel size) priced once."""
+    from autoplan.cost.dataparallel import layer_small_numels
+    from autoplan.cost.deepspeed import persistent_regather
+
+    block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
+    out = np.zeros(len(idx))
+    if block is None:
+        return out
+    tp, n = c["tp"][idx], (c["dp"] * c["ep"] * c["cp"])[idx]
+    for t, size in set(zip(tp.tolist(), n.tolist())):
+        config = ParallelConfig(tp=t)
+        layer_cost = cost.estimate_layer(block, cluster, config, "none", seq_len=graph.seq_len)
+        small = [x for x in layer_small_numels(block, layer_cost, graph, config) if x < engine.zero3_persistence_numel]
+        out[(tp == t) & (n == size)] = persistent_regather(small, size)[0]
+    return out
 
 
 def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
