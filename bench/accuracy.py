@@ -32,7 +32,7 @@ def vtrain_results(name: str, set_name: str) -> list[Result]:
     engine = validate_vtrain.vtrain_engine()
     out = []
     for row in validate_vtrain.read_rows(name):
-        out.append(Result(set=set_name, label=validate_vtrain.describe(row), engine="megatron-lm",
+        out.append(Result(set=set_name, label=validate_vtrain.describe(row), engine=engine.name,
                           predicted_s=validate_vtrain.predict_s(row, engine),
                           measured_s=row["iteration time (ms)"] / 1e3))
     return out
@@ -50,20 +50,20 @@ def print_table(results: list[Result]) -> None:
     by_set: dict[str, list[Result]] = defaultdict(list)
     for r in results:
         by_set[r.set].append(r)
-    print(f"{'set':22s} {'engine':14s}  {'runs':>5s}")
+    print(f"{'set':22s} {'engine':18s}  {'runs':>5s}")
     for name, rs in by_set.items():
         kind = "target" if name in TARGETS else "check"
-        print(f"{name:22s} {'(all)':14s} {summary(rs)}   [{kind}]")
+        print(f"{name:22s} {'(all)':18s} {summary(rs)}   [{kind}]")
         engines = sorted({r.engine for r in rs})
         for engine in engines if len(engines) > 1 else ():
-            print(f"{'':22s} {engine:14s} {summary([r for r in rs if r.engine == engine])}")
+            print(f"{'':22s} {engine:18s} {summary([r for r in rs if r.engine == engine])}")
     print()
     by_engine: dict[str, list[Result]] = defaultdict(list)
     for r in results:
         by_engine[r.engine].append(r)
     print("per engine, over every set:")
     for engine, rs in sorted(by_engine.items()):
-        print(f"  {engine:14s} {summary(rs)}")
+        print(f"  {engine:18s} {summary(rs)}")
 
 
 def print_pairs(results: list[Result]) -> None:

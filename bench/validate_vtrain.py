@@ -5,9 +5,9 @@ and print the error: MAPE, median APE and the worst rows, single- and multi-node
 
 The rows (bench/data/vtrain/*.csv, see its README and LICENSE): GPT with a 4h GELU MLP, vocabulary 50257,
 fp16, full recompute on every layer, 1F1B without interleaving, no ZeRO / SP / CP, no gradient
-bucketing. Engine: megatron-lm (Megatron's kernels: unfused softmax attention, fused bias-GeLU and
-bias-dropout-add) with dp_comm_overlap off (vTrain's configs: use_gradient_bucket false, the gradients
-are all-reduced after the schedule). Hardware: A100 SXM, 8 per node, NVSwitch, and 800 Gb/s of
+bucketing. Engine: megatron-deepspeed (Megatron's kernels: unfused softmax attention, fused bias-GeLU and
+bias-dropout-add; DeepSpeed's engine, pipeline and activation checkpointing; the gradients all-reduced
+after the schedule: vTrain's configs set use_gradient_bucket false). Hardware: A100 SXM, 8 per node, NVSwitch, and 800 Gb/s of
 InfiniBand per node (4 x 200 Gb/s HDR), half the NICs of a DGX A100: the shipped dgx-a100-80gb profile
 with the per-GPU inter-node bandwidth set to 800 Gb/s / 8 = 12.5 GB/s (the only change).
 """
@@ -37,8 +37,9 @@ VTRAIN_NIC_BYTES_PER_S = 800e9 / 8 / 8  # 4 x 200 Gb/s HDR per node, 8 GPUs: byt
 
 
 def vtrain_engine() -> Engine:
-    """megatron-lm with the gradient all-reduce after the schedule (no bucketing, no overlap)."""
-    return dataclasses.replace(Engine.load("megatron-lm"), dp_comm_overlap=False)
+    """megatron-deepspeed (the codebase the rows were measured with): Megatron-LM's kernels, DeepSpeed's
+    pipeline and activation checkpointing, the gradient all-reduce after the schedule."""
+    return Engine.load("megatron-deepspeed")
 
 
 def vtrain_cluster(num_gpus: int) -> ClusterSpec:

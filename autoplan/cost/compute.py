@@ -19,6 +19,7 @@ from autoplan.cost.kernels import (
 )
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
+from autoplan.plan.layout import expert_tp_split
 from autoplan.plan.types import ParallelConfig, Recompute
 
 __all__ = ["BlockShape", "ComputeTimes", "block_shape", "gemm_pass_s", "layer_compute", "matmul_efficiency",
@@ -70,6 +71,15 @@ class BlockShape:
     def dense_mlps(self) -> int:
         """Dense MLPs of width f run on every token: 1 in a dense block, the shared experts in a MoE one."""
         return self.num_shared if self.num_experts else 1
+
+    @property
+    def dropout(self) -> bool:
+        """Whether the block trains with dropout (attention and hidden dropout masks): a GPT-style (GELU)
+        block as Megatron's GPT runs it (--attention-dropout 0.1 --hidden-dropout 0.1 by default,
+        megatron/arguments.py; Korthikanti et al. 2022 count the masks); a Llama-style (SwiGLU) block
+        trains without (Touvron et al. 2023; Dubey et al. 2024; Hugging Face LlamaConfig attention_dropout
+        0.0), as this model's other Llama-isms (RMSNorm, RoPE) are keyed on the SwiGLU MLP."""
+        return self.n_mlp == 2
 
     @property
     def qkv_out_width(self) -> int:
@@ -129,24 +139,40 @@ class ComputeTimes:
     gemm_bwd_s: float = 0.0  # ... and in backward
     host_fwd_s: float = 0.0  # host time to issue the forward's ops
     host_bwd_s: float = 0.0  # ... and the backward's
+    host_rec_s: float = 0.0  # ... and a fully recomputed forward's (the block's forward ops again)
+    # weight-gradient GEMMs of the column-parallel linears whose input gradient is tp-reduced (QKV; the
+    # MLP's input projections): what an asynchronous backward TP collective overlaps (Engine.tp_bwd_overlap)
+    wgrad_column_s: tuple[float, ...] = ()
+
+
+def expert_divisor(config: ParallelConfig, engine: Engine | None = None) -> int:
+    """What a device's routed-expert work and activations per token of its dense replica are divided by:
+    tp when folded (each tp rank routes tokens / tp, gathered etp-fold into 1/etp of each expert), else the
+    experts' own tp split (plan.layout.expert_tp_split: tp under an engine that splits unfolded experts
+    over tp, 1 under autoplan's executor, which runs them whole on every tp rank)."""
+    if config.folded:
+        return config.tp
+    return expert_tp_split(config, unfolded_over_tp=(engine or Engine()).tp_splits_unfolded_experts)
 
 
 def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, config: ParallelConfig,
                             dtype_bytes: int, scores_materialised: bool, *,
-                            fused: bool = True) -> tuple[float, float]:
+                            fused: bool = True, expert_div: int | None = None) -> tuple[float, float]:
     """Forward memory traffic of a block's elementwise kernels, (total, attention-score part), bytes,
     counting each kernel's reads + writes (the fused kernels of Megatron-LM; Korthikanti et al. 2022
     section 4.1 lists the same tensors):
-    - 2 norms: read h, write h each; 2 bias-dropout-residual adds: read 2h, write h, 1-byte mask h;
-      replicated over tp ranks without SP, split with SP;
+    - 2 norms: read h, write h each; 2 bias-dropout-residual adds: read 2h, write h, 1-byte mask h (no
+      mask in a block without dropout, BlockShape.dropout); replicated over tp ranks without SP, split
+      with SP;
     - MLP activation: n_mlp * f elements (GELU: read f, write f; SwiGLU: read 2f, write f), split
       over tp;
     - MoE: permute + unpermute copies of top_k * h per token (read and write), and the activation
-      of the top_k routed experts (n_mlp * f_e each) in place of the dense MLP's (shared experts keep
-      theirs);
+      of the top_k routed experts (n_mlp * f_e each, over `expert_div`: expert_divisor, tp by default)
+      in place of the dense MLP's (shared experts keep theirs);
     - unfused attention scores (when materialised), a s per token split over tp: the fused
       scale-mask-softmax reads and writes them, dropout reads and writes them plus a 1-byte mask
-      (4 accesses + 1 byte; the Q K^T GEMM's write and the P V GEMM's read are in their rooflines).
+      (4 accesses + 1 byte; 2 accesses without dropout; the Q K^T GEMM's write and the P V GEMM's read
+      are in their rooflines).
     - a SwiGLU (Llama-style) block's rotary embedding of Q and K: read and write h + h g / a per token.
     `fused` False (eager kernels): a SwiGLU block's norms (RMSNorm), its SwiGLU and its RoPE move
     EAGER_RMSNORM_TRAFFIC, EAGER_SWIGLU_TRAFFIC and EAGER_ROPE_TRAFFIC times their fused traffic."""
@@ -163,17 +189,17 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
         # folded: each tp rank permutes its own tokens / tp, and etp times as many rows after the gather
         permute = (4.0 * shape.top_k * shape.h * config.expert_tp / t if config.folded
                    else 4.0 * shape.top_k * shape.h / h_split)
-        elements += permute + act * shape.top_k * shape.n_mlp * shape.f_e / t
-    mask_bytes = 2.0 * shape.h / h_split
+        elements += permute + act * shape.top_k * shape.n_mlp * shape.f_e / (expert_div or t)
+    mask_bytes = 2.0 * shape.h / h_split if shape.dropout else 0.0
     total = tokens * (elements * dtype_bytes + mask_bytes)
     scores = 0.0
-    if scores_materialised:
-        scores = tokens * shape.a * seq_len / t * (4.0 * dtype_bytes + 1.0)
+    if scores_materialised:  # softmax read + write; dropout read + write + its 1-byte mask
+        scores = tokens * shape.a * seq_len / t * ((4.0 * dtype_bytes + 1.0) if shape.dropout else 2.0 * dtype_bytes)
     return total + scores, scores
 
 
 def _block_gemm_groups(shape: BlockShape, tokens: float, total_mm: float, expert_mm: float,
-                       config: ParallelConfig) -> list[tuple[float, float, float, float]]:
+                       config: ParallelConfig, expert_div: int | None = None) -> list[tuple[float, float, float, float]]:
     """(m, k, n, count) of each weight matmul of a block on this device, tp-split (Megatron column / row
     parallel, Shoeybi et al. 2019): QKV [T x h] @ [h x (h + 2hg/a)/t], projection [T x h/t] @ [h/t x h],
     each MLP matmul [T x h] @ [h x f/t]; routed experts as _expert_gemm says (unfolded: [T k ep / E x h]
@@ -188,7 +214,7 @@ def _block_gemm_groups(shape: BlockShape, tokens: float, total_mm: float, expert
               (tokens, shape.h / t, shape.h, attn_proj * proj / (qkv + proj) / proj if proj else 0.0),
               (tokens, shape.h, shape.f / t, mlp / (2.0 * tokens * shape.h * shape.f / t))]
     if expert_mm > 0:
-        per_expert_tokens, width = _expert_gemm(shape, config, tokens)
+        per_expert_tokens, width = _expert_gemm(shape, config, tokens, expert_div or config.tp)
         one = 2.0 * per_expert_tokens * shape.h * width
         groups.append((per_expert_tokens, shape.h, width, expert_mm / one))
     return groups
@@ -266,27 +292,34 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     writes one gradient: 3 accesses for the forward's 2). Recompute: full re-runs the block's forward;
     selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5).
 
-    Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each;
-    kernels are asynchronous, so a phase takes max(device, host) (layer.py combines them)."""
+    Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
+    fully recomputed block its forward's again, and the activation-checkpoint wrapper around it
+    engine.checkpoint_forward_ops / checkpoint_backward_ops more; kernels are asynchronous, so a phase
+    takes max(device, host) (layer.py combines them)."""
     engine = engine or Engine()
     t = config.tp
     tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
-    total_mm = layer.fwd_matmul_flops * scale / t
-    expert_mm = layer.fwd_expert_flops * scale / t
+    expert_div = expert_divisor(config, engine)
+    expert_mm = layer.fwd_expert_flops * scale / expert_div
+    total_mm = (layer.fwd_matmul_flops - layer.fwd_expert_flops) * scale / t + expert_mm
     shape = block_shape(layer, graph_tokens)
     if shape is None:
         mm_s = matmul_time_s(device, peak_flops, total_mm, total_mm)
         dx_s = dw_s = mm_s
         elementwise_bytes = _fallback_bytes(layer, dtype_bytes) * scale / (t if layer.role is LayerRole.HEAD else 1)
         score_bytes = 0.0
+        wgrad_column = ()
     else:
-        groups = _block_gemm_groups(shape, tokens, total_mm, expert_mm, config)
+        groups = _block_gemm_groups(shape, tokens, total_mm, expert_mm, config, expert_div)
         acc = 2.0 * GRAD_ACCUMULATE_BYTES
         mm_s = sum(gemm_pass_s(device, peak_flops, m, k, n, c, dtype_bytes) for m, k, n, c in groups)
         dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
-        dw_s = sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups)
+        dws = [gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups]
+        dw_s = sum(dws)
+        wgrad_column = (dws[0], dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
         elementwise_bytes, score_bytes = block_elementwise_bytes(
-            shape, tokens, seq_len, config, dtype_bytes, scores_materialised, fused=engine.fused_elementwise)
+            shape, tokens, seq_len, config, dtype_bytes, scores_materialised, fused=engine.fused_elementwise,
+            expert_div=expert_div)
     attn_fwd, attn_bwd = _attention_s(layer, shape, device, peak_flops, config, scale=scale, seq_len=seq_len,
                                       dtype_bytes=dtype_bytes, scores_materialised=scores_materialised,
                                       nonmatmul_ratio=nonmatmul_ratio)
@@ -303,21 +336,26 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     else:
         rec = attention_fwd
     ops_f, ops_b = host_ops(layer, engine)
+    ops_r = ops_f if layer.role is LayerRole.BLOCK and recompute is Recompute.FULL else 0.0
+    if ops_r and not engine.cuda_graphs:  # the checkpoint wrapper's own ops around the block
+        ops_f, ops_b = ops_f + engine.checkpoint_forward_ops, ops_b + engine.checkpoint_backward_ops
+    op = device.op_overhead_s
     return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=dw_s, recompute_s=rec, attention_fwd_s=attention_fwd,
-                        gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * device.op_overhead_s,
-                        host_bwd_s=ops_b * device.op_overhead_s)
+                        gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op, host_bwd_s=ops_b * op,
+                        host_rec_s=ops_r * op, wgrad_column_s=wgrad_column)
 
 
-def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float) -> tuple[float, float]:
+def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float, split: int) -> tuple[float, float]:
     """(rows, output width) of one routed expert's GEMM on a device, balanced routing. Unfolded: the tp
-    group's tokens, experts sharded over ep and split over tp: tokens top_k ep / E rows of width f_e / t.
+    group's tokens, experts sharded over ep and split `split` ways (expert_divisor: tp, or 1 when the
+    engine runs them whole on every tp rank): tokens top_k ep / E rows of width f_e / split.
     Folded (etp, eep): each tp rank routes tokens / tp of them, an expert receives the copies of the
     eep * etp ranks of its expert group, split over etp: (tokens / tp) etp eep top_k / E rows of width
     f_e / etp (Megatron-Core's alltoall dispatcher with expert tensor parallelism). The FLOPs per device
     are the same, tokens top_k 2 n_mlp h f_e / tp, in both."""
     experts = max(shape.num_experts, 1)
     if not config.folded:
-        return tokens * shape.top_k * config.ep / experts, shape.f_e / config.tp
+        return tokens * shape.top_k * config.ep / experts, shape.f_e / split
     rows = tokens / config.tp * config.expert_tp * config.expert_ep * shape.top_k / experts
     return rows, shape.f_e / config.expert_tp
 

@@ -211,13 +211,35 @@ def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: Paral
     return [qkv, proj + rest, *mlp] if shape.num_experts == 0 else [qkv, proj, *mlp, rest]
 
 
+def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
+    """A block's parameters besides its weight matrices (elements on this device), the ones DeepSpeed
+    keeps persistent below stage3_param_persistence_threshold: a GPT block's two LayerNorms (weight and
+    bias, h each), the QKV and first MLP biases (column-parallel: split over tp) and the projection and
+    second MLP biases (row-parallel: h each), when those sum to the block's remaining parameters (Megatron
+    GPT, Shoeybi et al. 2019); otherwise the remainder as norm-sized (h) parameters (a Llama block: two
+    RMSNorm weights). Other layers: none."""
+    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
+    if shape is None or layer.role is not LayerRole.BLOCK:
+        return []
+    t, h = config.tp, float(shape.h)
+    weights = h * (shape.qkv_out_width + shape.h) / t + h * shape.f / t * shape.n_mlp * shape.dense_mlps
+    rest = max(cost.grad_param_count + cost.expert_param_count - weights, 0.0)
+    gpt = [h, h, shape.qkv_out_width / t, h, h, h, shape.f / t, h]
+    if shape.num_experts == 0 and abs(sum(gpt) - rest) <= 0.01 * rest:
+        return gpt
+    count = round(rest / h)
+    return [rest / count] * count if count else []
+
+
 def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, engine: Engine,
                    groups: DpGroups) -> None:
     """Replace the rank's per-microbatch forward and backward by DeepSpeed stage 3's timeline
     (cost/deepspeed.py): per-parameter all-gathers over the data-parallel group (plus, with
-    zero3_gather_copy_out, torch's copy of the gathered list into each of the n outputs: a read + write
-    of the parameter on the communication stream and n launches at op_overhead_s on the host, before
-    the compute), bucketed gradient reductions of zero3_grad_reduction, one sub-module of prefetch."""
+    zero3_gather_copy_out, the zero fill and torch's copy of the gathered list into each of the n outputs:
+    three passes over the parameter on the communication stream and deepspeed.GATHER_OPS_PER_RANK x n
+    ops at op_overhead_s on the host, before the compute), bucketed gradient reductions of
+    zero3_grad_reduction, one sub-module of prefetch; with zero3_regather_persistent, the per-step
+    re-gather of the persistent parameters (deepspeed.persistent_regather) after the optimizer."""
     w, _, _ = state_bytes_per_param(cluster.dtype, engine)
     wire = grad_wire_bytes(cluster.dtype, engine)
     n = groups.dense.size
@@ -225,22 +247,29 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
 
     def gather_s(numel: float) -> float:
         t = comm.all_gather_s(numel * w, groups.dense, cluster)
-        if engine.zero3_gather_copy_out:  # the n copies read and write the gathered parameter once
-            t += memory_time_s(cluster.device, 2.0 * numel * w)
+        if engine.zero3_gather_copy_out:  # zero-filled, then the n copies read and write it once
+            t += memory_time_s(cluster.device, 3.0 * numel * w)
         return t
 
-    issue = n * cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0
+    op = cluster.device.op_overhead_s
+    issue = ds.GATHER_OPS_PER_RANK * n * op if engine.zero3_gather_copy_out else 0.0
 
     def reduce_s(numel: float) -> float:
-        return reduce_fn(numel * wire, groups.dense, cluster)
+        # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
+        # flatten the bucket, divide by n, reduce, copy back into the gradients: three read + write passes
+        fallback = engine.zero3_grad_reduction == "all_reduce"
+        passes = memory_time_s(cluster.device, 3.0 * 2.0 * numel * wire) if fallback else 0.0
+        return reduce_fn(numel * wire, groups.dense, cluster) + passes
 
     full = config.recompute.value == "full"
     layers = []
     for c, layer in zip(rank.costs, rank.layers):
         numels = layer_numels(layer, c, graph, config)
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
-        layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s, c.time_s - c.fwd_s - c.fwd_comm_s
-                                       - c.recompute_s, c.recompute_s, c.host_s, full))
+        # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
+        norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
+        layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
+                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full))
     fwd, bwd, comm_s = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
                                        issue_s=issue)
     base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
@@ -250,3 +279,8 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     rank.fwd += fwd - base_f
     rank.bwd += bwd - base_b + penalty
     rank.dp += exposed + penalty
+    if engine.zero3_regather_persistent:  # once per step, after the optimizer (stage3.py _post_step)
+        small = [x for c, layer in zip(rank.costs, rank.layers) for x in layer_small_numels(layer, c, graph, config)
+                 if x < engine.zero3_persistence_numel]
+        ops, elements = ds.persistent_regather(small, n)
+        rank.param_gather += ops * op + comm.all_gather_s(elements * w, groups.dense, cluster)

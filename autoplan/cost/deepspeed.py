@@ -13,11 +13,18 @@
   zero3_max_reuse_numel elements (_keep_for_later): the recomputed forward and the backward gather again;
 - gradients are reduced in buckets of zero3_reduce_bucket_numel elements (reduce_ipg_grads) with an
   all-reduce or a reduce-scatter, one bucket at a time on the reduction stream;
-- with zero3_gather_copy_out, torch.distributed.all_gather into a list of n outputs (ProcessGroupNCCL's
-  allgather of PyTorch 1.8: flatten, ncclAllGather, then outputTensors[i][j].copy_(...) for each of the
-  n outputs, launched by the calling thread before it returns) costs the host n launches: the prefetch
-  is issued before the sub-module's compute (pre_sub_module_forward_function: fetch, then prefetch_next,
-  then the forward), so those launches delay the compute.
+- with zero3_gather_copy_out, each gather costs the host a narrow and a copy per rank (GATHER_OPS_PER_RANK):
+  _allgather_param builds the list of n output views in Python (`for i in range(world_size):
+  partitions.append(flat_tensor.narrow(...))`), and torch.distributed.all_gather into that list
+  (ProcessGroupNCCL's allgather of PyTorch 1.8: flatten, ncclAllGather, then
+  outputTensors[i][j].copy_(outputFlattened[i][j], true) for each of the n outputs) launches n copies from
+  the calling thread before it returns; the prefetch is issued before the sub-module's compute
+  (pre_sub_module_forward_function: fetch, then prefetch_next, then the forward), so those ops delay the
+  compute. The gathered parameter is first zero-filled (torch.zeros(aligned_param_size)) and copied out
+  once: three passes over its bytes on the communication stream;
+- with zero3_regather_persistent, the step ends by gathering the persistent parameters again
+  (persistent_regather: stage3.py _post_step after _partition_all_parameters released them at the end of
+  the backward), a host loop over the ranks per parameter.
 
 The sub-modules of a transformer block are its weight matmuls (QKV, projection, the MLP's), each priced
 with its share of the block's FLOPs, on a compute and a communication stream (_simulate).
@@ -25,10 +32,29 @@ with its share of the block's FLOPs, on a compute and a communication stream (_s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from autoplan.plan.engine import Engine
+
+# Host cost of the small ops in DeepSpeed's per-rank loops, in eager ops (device.op_overhead_s: Python,
+# dispatcher and a kernel launch, about 10 us). A Python view op (narrow, view) launches nothing: about a
+# third of that (split: 3.3 us in PyTorch's operator microbenchmarks, pytorch/pytorch PR #32194, 2020;
+# "approx half of it is python parsing overhead", pytorch/pytorch#41383). A copy_ issued from C++
+# (ProcessGroupNCCL's copy-out) skips the Python parsing: the other two thirds.
+VIEW_OP = 1.0 / 3.0
+CXX_COPY_OP = 2.0 / 3.0
+# One gathered parameter, per rank (zero3_gather_copy_out): the Python narrow that builds the output list
+# (partition_parameters.py _allgather_param) and the copy_ of ProcessGroupNCCL's copy-out.
+GATHER_OPS_PER_RANK = VIEW_OP + CXX_COPY_OP
+# One persistent parameter copied out of the flat all-gather, per rank (partition_parameters.py v0.3.16
+# _allgather_params: `part_to_copy = partitions[i].narrow(...)`,
+# `replicated_tensor.view(-1).narrow(...).copy_(part_to_copy)`): three Python views and a Python copy_.
+REGATHER_OPS_PER_RANK = 3.0 * VIEW_OP + 1.0
+# ... and outside the rank loop: torch.empty of its replica in _allgather_params, and its release after
+# the backward (_partition_param: param.data = torch.ones(1, dtype).to(device)): three eager ops.
+REGATHER_OPS_PER_PARAM = 3.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -91,37 +117,48 @@ def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], fl
     the communication time): fetch_sub_module gathers the module's parameter unless it is held or in
     flight and waits for it; prefetch_next_sub_modules then issues the next module's gather, only if no
     prefetch is in flight and the gathered parameters (total_available_parameter_numel, prefetched ones
-    included) are below zero3_max_live_numel (stage3_max_live_parameters); issuing a gather costs the host
-    issue_s before the compute; release_sub_module re-partitions the parameter unless it is kept."""
+    included) are below zero3_max_live_numel (stage3_max_live_parameters); each gather starts with a
+    device synchronize (partition_parameters.py _allgather_param: torch.cuda.synchronize() before the
+    all_gather), so the host waits for both streams, then spends issue_s issuing it, before the compute;
+    release_sub_module re-partitions the parameter unless it is kept. A full gradient bucket is reduced
+    on the reduction stream (one communication line with the gathers: the same NICs) once the host has
+    waited for the previous bucket's reduction (stage3.py reduce_ipg_grads: `if self.overlap_comm:
+    self.reduction_stream.synchronize()`); without dp_comm_overlap it runs on the compute stream."""
     held: dict[tuple[int, int], float] = {}
     inflight: dict[tuple[int, int], float] = {}  # key -> time its gather completes
-    now = comm_free = comm_total = 0.0
+    now = comm_free = comm_total = last_reduce = 0.0
+
+    def issue(numel: float) -> float:
+        nonlocal now, comm_free, comm_total
+        now = max(now, comm_free) + issue_s  # torch.cuda.synchronize(), then the host issues the gather
+        g = gather_s(numel)
+        comm_free = now + g
+        comm_total += g
+        return comm_free
+
     for k, st in enumerate(steps):
         ready = now
         if st.key in inflight:  # prefetched: wait for it
             ready = max(now, inflight.pop(st.key))
         elif st.partitioned and st.key not in held:
-            now += issue_s
-            g = gather_s(st.numel)
-            comm_free = max(comm_free, now) + g
-            comm_total += g
-            ready = comm_free
+            ready = issue(st.numel)
             held[st.key] = st.numel
         nxt = steps[k + 1] if k + 1 < len(steps) else None
         if (nxt is not None and nxt.partitioned and nxt.key not in held and not inflight
                 and sum(held.values()) < engine.zero3_max_live_numel):
-            now += issue_s
-            g = gather_s(nxt.numel)
-            comm_free = max(comm_free, now) + g
-            comm_total += g
-            inflight[nxt.key] = comm_free
+            inflight[nxt.key] = issue(nxt.numel)
             held[nxt.key] = nxt.numel  # counted as available once prefetched (_increment_available_parameter_numel)
         start = max(now, ready)
         now = start + st.compute
         if not st.keep:
             held.pop(st.key, None)
         if st.post > 0:
-            comm_free = max(comm_free, now) + st.post
+            if engine.dp_comm_overlap:
+                now = max(now, last_reduce)  # the host waits for the previous bucket's reduction
+                comm_free = max(comm_free, now) + st.post
+                last_reduce = comm_free
+            else:
+                now = comm_free = max(comm_free, now) + st.post
             comm_total += st.post
     return max(now, comm_free), comm_total
 
@@ -164,3 +201,21 @@ def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: boo
         steps[-1] = _Step(key=last.key, numel=last.numel, compute=last.compute, partitioned=last.partitioned,
                           keep=last.keep, post=last.post + reduce_s(bucket))
     return steps
+
+
+def persistent_regather(numels: Sequence[float], n: int) -> tuple[float, float]:
+    """(host ops, gathered elements) of stage3.py _post_step's `persistent_parameters[0].all_gather(...)`
+    over the persistent parameters `numels` on a data-parallel group of n (DeepSpeed v0.3.16,
+    partition_parameters.py _allgather_params): the flat output's n partitions are narrowed in Python and
+    the list all-gather copies each out (GATHER_OPS_PER_RANK per rank), then each parameter is rebuilt
+    from the ranks that hold a piece of it, ceil(numel / ceil(numel / n)) of them (its partition is
+    ceil(numel / n) elements), REGATHER_OPS_PER_RANK ops each, plus REGATHER_OPS_PER_PARAM. The gather
+    moves n x the summed partitions."""
+    if n <= 1 or not numels:
+        return 0.0, 0.0
+    ops, parts = float(GATHER_OPS_PER_RANK * n), 0.0
+    for numel in numels:
+        part = math.ceil(numel / n)
+        ops += REGATHER_OPS_PER_PARAM + REGATHER_OPS_PER_RANK * math.ceil(numel / part)
+        parts += part
+    return ops, parts * n

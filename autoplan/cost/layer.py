@@ -8,7 +8,7 @@ from functools import lru_cache
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
-from autoplan.cost.compute import BlockShape, ComputeTimes, block_shape, layer_compute
+from autoplan.cost.compute import BlockShape, ComputeTimes, block_shape, expert_divisor, layer_compute
 from autoplan.cost.experts import folded_expert_comm_s
 from autoplan.cost.memory import block_activation_bytes, layer_param_counts, other_activation_bytes
 from autoplan.cost.overlap import contention_fraction
@@ -59,12 +59,13 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
     tokens = graph_tokens * scale
     if shape is not None:
         held, work = block_activation_bytes(shape, config.microbatch, seq_len, config, recompute, dbytes,
-                                            materialised, selective=engine.selective_recompute)
+                                            materialised, selective=engine.selective_recompute,
+                                            expert_div=expert_divisor(config, engine))
         hidden_bytes = tokens * shape.h * dbytes
     else:
         held, work = other_activation_bytes(layer, scale, config, recompute, ratio)
         hidden_bytes = layer.output_bytes * scale * ratio
-    param_count, dense, expert = layer_param_counts(layer, shape, config)
+    param_count, dense, expert = layer_param_counts(layer, shape, config, engine)
     tp_fwd, tp_total = _tp_comm_s(layer, shape, cluster, config, recompute, hidden_bytes, scale * ratio,
                                   times, engine)
     cp_fwd, cp_total = _cp_comm_s(shape, cluster, config, recompute, tokens * config.cp, dbytes,
@@ -95,14 +96,13 @@ def _with_host(times: ComputeTimes, recompute: Recompute, layer: Layer) -> tuple
     ops again. Small layers at small microbatches are bound by it."""
     rec = times.recompute_s
     if recompute is Recompute.FULL and layer.role is LayerRole.BLOCK and rec:
-        rec = max(rec, times.host_fwd_s)
+        rec = max(rec, times.host_rec_s)
     return max(times.fwd_s, times.host_fwd_s), max(times.bwd_s, times.host_bwd_s), rec
 
 
 def _host_total(times: ComputeTimes, recompute: Recompute, layer: Layer) -> float:
     """All host time of the layer in one microbatch (forward, backward, a fully recomputed forward)."""
-    full = recompute is Recompute.FULL and layer.role is LayerRole.BLOCK
-    return times.host_fwd_s * (2.0 if full else 1.0) + times.host_bwd_s
+    return times.host_fwd_s + times.host_rec_s + times.host_bwd_s
 
 
 def _scores_materialised(layer: Layer, shape: BlockShape, graph_microbatch: int, seq_len: int) -> bool:
@@ -126,6 +126,13 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     producing them; Megatron requires --sequence-parallel for it): each phase's TP communication hides
     behind that phase's weight GEMMs, exposing max(0, comm - GEMMs), and the GEMMs run slower while the
     communication occupies SMs (overlap.contention_fraction of the hidden part).
+
+    engine.tp_bwd_overlap (Megatron-LM from 2021-09, megatron/mpu/layers.py
+    LinearWithGradAccumulationAndAsyncCommunication.backward: `handle = torch.distributed.all_reduce(
+    grad_input, ..., async_op=True)` (with SP `_reduce_scatter_base(..., async_op=True)`), then the
+    weight-gradient GEMM, then handle.wait()): the two column-parallel linears' (QKV, the MLP's input
+    projection) backward collectives hide behind their own weight-gradient GEMMs, exposing max(0, comm -
+    wgrad) each, the hidden part slowing the GEMM by contention_fraction.
     Returns (forward part, total)."""
     if config.tp == 1:
         return 0.0, 0.0
@@ -135,10 +142,15 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
                if config.sp else comm.all_reduce_s(hidden_bytes, group, cluster))
         fwd, bwd = 2 * one, 2 * one
         rec = 2 * one if recompute is Recompute.FULL else 0.0
+        f = contention_fraction(cluster)
         if engine.tp_comm_overlap and config.sp:
-            f = contention_fraction(cluster)
             fwd, bwd, rec = (max(c - g, 0.0) + f * min(c, g) for c, g in
                              ((fwd, times.gemm_fwd_s), (bwd, times.gemm_bwd_s), (rec, times.gemm_fwd_s)))
+        elif engine.tp_bwd_overlap and times.wgrad_column_s:
+            # each column-parallel linear's input-gradient all-reduce (reduce-scatter with SP) runs beside
+            # its weight-gradient GEMM; the row-parallel ones' (SP: all-gathers) stay on the compute stream
+            grad = comm.reduce_scatter_s(hidden_bytes, group, cluster) if config.sp else one
+            bwd = bwd - 2 * grad + sum(max(grad - w, 0.0) + f * min(grad, w) for w in times.wgrad_column_s)
         return fwd, fwd + bwd + rec
     if layer.role is LayerRole.EMBEDDING:
         one = comm.all_reduce_s(hidden_bytes, group, cluster)

@@ -11,7 +11,7 @@ from autoplan.cost.compute import BlockShape
 from autoplan.cost.pipeline import in_flight_microbatches
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
-from autoplan.plan.layout import ZeroLayout, zero_layout
+from autoplan.plan.layout import ZeroLayout, expert_tp_split, zero_layout
 from autoplan.plan.types import MemoryBreakdown, ParallelConfig, Recompute
 
 # Mixed-precision Adam, bytes per parameter (Rajbhandari et al., ZeRO, SC'20, section 3.1): 16-bit
@@ -29,7 +29,7 @@ NCCL_BUFFER_BYTES = 4 * 2**20
 
 def block_activation_bytes(shape: BlockShape, b: float, s: int, config: ParallelConfig,
                            recompute: Recompute, dtype_bytes: int, scores_materialised: bool, *,
-                           selective: str = "attention") -> tuple[float, float]:
+                           selective: str = "attention", expert_div: int | None = None) -> tuple[float, float]:
     """(held per microbatch, working extra during its backward) for one transformer block, bytes.
 
     Korthikanti et al. 2022, section 4.1 / Table 2, 16-bit activations, s tokens (s / cp per CP rank),
@@ -38,9 +38,11 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     same tensors for general shapes: replicated without SP are the two norms' inputs (4h), the QKV and
     MLP inputs (2h + 2h) and two 1-byte dropout masks (2h) = 10h; split over t are Q, K, V
     (2h + 4hg/a), the projection input (2h), the MLP hidden (GELU 4f: 2 f in + 2 f out; SwiGLU 6f),
-    for MoE top_k copies of the expert input and hidden; the attention scores 5 a s per token (softmax
+    for MoE top_k copies of the expert input and hidden (over `expert_div`, compute.expert_divisor: tp
+    unless the engine runs unfolded experts whole on every tp rank); the attention scores 5 a s per token (softmax
     output 2, dropout mask 1, dropout output 2) only when the kernel materialises them
-    (FlashAttention does not). MHA with f = 4h gives 10h + 24h/t, as in the paper.
+    (FlashAttention does not). MHA with f = 4h gives 10h + 24h/t, as in the paper. A block without
+    dropout (BlockShape.dropout: Llama-style) has no masks: 8h replicated, 2 a s of scores.
     Selective recompute drops the 5 a s / h term; full keeps only the block input 2 s b h (/t with SP)
     and re-materialises one block's activations during its backward (the working extra).
     `selective` 'op' is torchtitan's per-op selective checkpointing instead (torchtitan
@@ -51,7 +53,8 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     t, cp = config.tp, config.cp
     tokens = b * s / cp
     h_split = t if config.sp else 1
-    replicated = 10.0 * shape.h  # bytes per token at 16 bits, as the paper counts them
+    # bytes per token at 16 bits, as the paper counts them; without dropout (BlockShape.dropout) no masks
+    replicated = 10.0 * shape.h if shape.dropout else 8.0 * shape.h
     hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f * shape.dense_mlps
     split = 2.0 * shape.h + 4.0 * shape.h * shape.g / shape.a + 2.0 * shape.h + hidden
     if shape.num_experts and shape.top_k:
@@ -59,9 +62,12 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
         # folded (etp, eep): a rank holds its tokens / tp routed copies gathered etp-fold, each with
         # 1/etp of the expert hidden: (tokens / t) top_k (2 h etp + e_hidden)
         copies = 2.0 * shape.h * (config.expert_tp if config.folded else 1)
-        split += shape.top_k * (copies + e_hidden)
-    per_token = (replicated / h_split + split / t) * dtype_bytes / 2.0
-    scores = 5.0 * shape.a * s / t * dtype_bytes / 2.0 if scores_materialised else 0.0
+        experts = shape.top_k * (copies + e_hidden) / (expert_div or t)  # compute.expert_divisor
+    else:
+        experts = 0.0
+    per_token = (replicated / h_split + split / t + experts) * dtype_bytes / 2.0
+    score_bytes = 5.0 if shape.dropout else 2.0  # softmax output (+ dropout mask and output)
+    scores = score_bytes * shape.a * s / t * dtype_bytes / 2.0 if scores_materialised else 0.0
     full = tokens * (per_token + scores)
     if recompute is Recompute.NONE:
         return full, 0.0
@@ -91,14 +97,16 @@ def other_activation_bytes(layer: Layer, scale: float, config: ParallelConfig, r
     return min(kept, full), full
 
 
-def layer_param_counts(layer: Layer, shape: BlockShape | None, config: ParallelConfig) -> tuple[int, int, int]:
+def layer_param_counts(layer: Layer, shape: BlockShape | None, config: ParallelConfig,
+                       engine: Engine | None = None) -> tuple[int, int, int]:
     """(held, dense, expert) parameters on one device after the tp / ep split, before ZeRO.
 
     Megatron-style splits (Shoeybi et al. 2019): every weight matrix of a block is split over tp; the
     norms and the row-parallel output biases (6h for a GPT block: 2 LayerNorms with bias, 2 biases)
-    are replicated. Routed expert weights are split over ep and, like Megatron-core's default expert
-    tensor parallelism, over tp; folded, over eep and etp. Embedding and head are vocab-parallel (split over tp); other layers
-    (a final norm) are replicated."""
+    are replicated. Routed expert weights are split over ep and over plan.layout.expert_tp_split's ranks:
+    etp when folded; unfolded, tp when the engine splits them over tp (Megatron-Core's default expert
+    tensor parallelism), else none (autoplan's executor). Embedding and head are vocab-parallel (split
+    over tp); other layers (a final norm) are replicated."""
     t = config.tp
     expert = layer.expert_params if layer.num_experts else 0
     dense = max(layer.num_params - expert, 0)
@@ -109,7 +117,8 @@ def layer_param_counts(layer: Layer, shape: BlockShape | None, config: ParallelC
         dense_held = -(-dense // t)
     else:
         dense_held = dense
-    expert_held = -(-expert // (config.expert_ep * config.expert_tp)) if expert else 0
+    split = expert_tp_split(config, unfolded_over_tp=(engine or Engine()).tp_splits_unfolded_experts)
+    expert_held = -(-expert // (config.expert_ep * split)) if expert else 0
     return dense_held + expert_held, dense_held, expert_held
 
 

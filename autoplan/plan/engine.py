@@ -36,14 +36,18 @@ class Engine:
     cuda_graphs: bool = False  # kernels replayed from CUDA graphs: no host cost per op
     zero3: str = "fsdp2"  # how ZeRO-3 gathers: FSDP2 (per block, prefetched) or DeepSpeed stage 3
     # --- additive fields the physics needs ---
+    tp_bwd_overlap: bool = False  # column-parallel input-gradient TP collectives overlap their weight-gradient GEMMs
     description: str = "autoplan's executor (eager PyTorch, SDPA attention, FSDP2, DTensor TP, torch.distributed.pipelining)"
     block_forward_ops: int = 0  # host-issued ops in one block's forward (0: the captured graph's count)
     block_backward_ops: int = 0  # ... in its backward (0: compute.BACKWARD_OPS_PER_FORWARD_OP x forward)
+    checkpoint_forward_ops: int = 0  # host ops of the activation-checkpoint wrapper around a fully recomputed block, forward
+    checkpoint_backward_ops: int = 0  # ... and in its backward (RNG state restore, detach, the re-entrant backward)
     main_grads_fp32: bool = False  # gradients accumulate in an fp32 buffer (Megatron main_grad): 4 B/param
     grad_reduce_fp32: bool = True  # bf16/fp8 training reduces gradients in fp32 (fp16 always in fp16)
     pipelined_fsdp_defers_sync: bool = True  # with pp > 1, FSDP gradient sync waits for the last microbatch
     dp_bucket_numel: int = 0  # gradient bucket size (elements) of the DP reduction; 0: one bucket per layer
     gather_copy_out: bool = True  # all-gathered weights are copied out of the collective's buffer on the compute stream
+    tp_splits_unfolded_experts: bool = False  # unfolded routed experts split over the dense tp group (plan.layout.expert_tp_split)
     selective_recompute: str = "attention"  # what 'selective' recomputes: Megatron's attention core, or torchtitan's per-op policy
     # DeepSpeed ZeRO-3 (zero3='deepspeed'); ignored with fsdp2
     zero3_prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
@@ -54,6 +58,8 @@ class Engine:
     zero3_grad_reduction: str = "reduce_scatter"  # 'all_reduce' (DeepSpeed 2021 default) or 'reduce_scatter'
     zero3_sync_per_module: bool = False  # a device synchronize before each sub-module's compute
     zero3_gather_copy_out: bool = False  # all_gather into a list: one copy kernel per rank per gather
+    zero3_fetch_norm: bool = False  # every fetched parameter's norm is computed (a debug f-string evaluated eagerly)
+    zero3_regather_persistent: bool = False  # the step ends by re-gathering the persistent parameters rank by rank
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:

@@ -261,6 +261,17 @@ def expert_mesh_shape(config: ParallelConfig) -> tuple[tuple[str, int], ...]:
     return (("pp", config.pp), ("edp", config.expert_dp), ("eep", config.expert_ep), ("etp", config.expert_tp))
 
 
+def expert_tp_split(config: ParallelConfig, *, unfolded_over_tp: bool) -> int:
+    """Ranks each routed expert's weights and GEMMs are split over. Folded: etp. Unfolded: the dense tp
+    group when the engine splits unfolded experts over it (Engine.tp_splits_unfolded_experts:
+    Megatron-Core, whose expert tensor-parallel size defaults to the tensor-parallel size), else 1:
+    autoplan's executor (execute/experts.py ExpertParallel) holds each of its ep shard's experts whole on
+    every tp rank and runs them on the tp group's replicated tokens."""
+    if config.folded:
+        return config.expert_tp
+    return config.tp if unfolded_over_tp else 1
+
+
 def expert_token_split(config: ParallelConfig) -> int:
     """How many ways the tokens entering the routed experts are split inside the dense tp group. Folded:
     tp (each tp rank routes its 1/tp of the group's replicated tokens, so every rank of the stage holds

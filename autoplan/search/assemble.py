@@ -16,6 +16,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
+from autoplan.cost import deepspeed as ds
 from autoplan.cost.dataparallel import grad_wire_bytes
 from autoplan.cost.estimate import adam_bytes_per_param
 from autoplan.cost.experts import expert_dp_placement
@@ -158,6 +159,9 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     pipe = _pipeline(x, f["bwd_weight"], c, m, v)
     step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
                              dense, expert, wire, w, cluster) + _optimizer(f, c, lay, cluster, engine)
+    if engine.zero3_regather_persistent and "regather_ops" in extra:  # deepspeed.persistent_regather per step
+        step = step + np.where(deepspeed, (extra["regather_ops"][:, None] * layers).max(axis=1)
+                               * cluster.device.op_overhead_s, 0.0)
     mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return step, mem, acts
 
@@ -199,7 +203,7 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
     one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster)
     n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
-    issue = n * cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0 * n
+    issue = ds.GATHER_OPS_PER_RANK * n * cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0 * n
     red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
     buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
     red = collective_s(red_fn, sizes, ("dp", "ep", "cp"), dense / buckets * wire, cluster) * buckets

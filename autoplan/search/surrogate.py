@@ -149,11 +149,15 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
         shape = _shape_tables(graph, space.config(int(idx[0])), table, cum, keys, cost)
         order = np.argsort(inverse.reshape(-1), kind="stable")  # the rows of each key together
+        regather = (_regather_ops(graph, cluster, c, idx, cost, engine)
+                    if engine.zero3 == "deepspeed" and engine.zero3_regather_persistent else None)
         for part in _chunks(inverse.reshape(-1)[order], max(CHUNK // pp, 64)):
             rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
             extra = {"hops": np.broadcast_to(shape["hops"], (len(rows), pp)), "out_bytes": shape["out_bytes"][key],
                      "max_numel": max_numel[rows], "max_params": shape["max_params"][key],
                      "work": shape["work"][key]}
+            if regather is not None:
+                extra["regather_ops"] = regather[order[part]]
             f = {name: shape["per_rank"][:, :, i][key] for i, name in enumerate(FIELDS)}
             cols = {k: col[rows] for k, col in c.items()}
             # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
@@ -226,6 +230,27 @@ def _per_rank(per_stage: np.ndarray, placement: np.ndarray, ranks: tuple[int, ..
     out = np.zeros((per_stage.shape[0], pp, per_stage.shape[2]))
     for j in range(len(held[0])):
         out += per_stage[:, [h[j] for h in held], :]
+    return out
+
+
+def _regather_ops(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, np.ndarray], idx: np.ndarray, cost: Any,
+                  engine: Engine) -> np.ndarray:
+    """Host ops per layer of DeepSpeed's per-step re-gather of the persistent parameters
+    (cost.deepspeed.persistent_regather over one block's small parameters, cost.dataparallel.
+    layer_small_numels), per candidate: each distinct (tp, data-parallel size) priced once."""
+    from autoplan.cost.dataparallel import layer_small_numels
+    from autoplan.cost.deepspeed import persistent_regather
+
+    block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
+    out = np.zeros(len(idx))
+    if block is None:
+        return out
+    tp, n = c["tp"][idx], (c["dp"] * c["ep"] * c["cp"])[idx]
+    for t, size in set(zip(tp.tolist(), n.tolist())):
+        config = ParallelConfig(tp=t)
+        layer_cost = cost.estimate_layer(block, cluster, config, "none", seq_len=graph.seq_len)
+        small = [x for x in layer_small_numels(block, layer_cost, graph, config) if x < engine.zero3_persistence_numel]
+        out[(tp == t) & (n == size)] = persistent_regather(small, size)[0]
     return out
 
 

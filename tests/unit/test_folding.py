@@ -13,6 +13,7 @@ from test_cost_graph_helper import a100_cluster, gpt_graph
 
 from autoplan import cost
 from autoplan.cost import estimate_config, estimate_layer, expert_placement
+from autoplan.plan.engine import Engine
 from autoplan.plan.layout import divisibility_errors, expert_mesh_shape
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.folding import expert_layouts
@@ -150,14 +151,21 @@ def test_folded_expert_communication_by_hand() -> None:
 
 
 def test_folded_experts_hold_their_share_and_do_the_same_flops() -> None:
-    """Expert weights per device: E 2 h f / (eep etp); the routed experts' FLOPs per device are the tp
-    group's / tp, folded or not, so a compute-bound device takes the same forward time."""
+    """Expert weights per device: E 2 h f / (eep etp); under an engine that splits unfolded experts over
+    tp (Megatron-Core: ETP = TP) the routed experts' FLOPs per device are the tp group's / tp, folded or
+    not, so a compute-bound device takes the same forward time. autoplan's executor runs unfolded experts
+    whole on every tp rank (plan.layout.expert_tp_split): E 2 h f / ep weights, tp x the expert FLOPs."""
     block = MOE.blocks[0]
-    folded = estimate_layer(block, _ideal(), ParallelConfig(tp=2, dp=2, etp=1, eep=4), Recompute.NONE, seq_len=256)
-    plain = estimate_layer(block, _ideal(), ParallelConfig(tp=2, ep=2), Recompute.NONE, seq_len=256)
+    mcore = Engine.load("megatron-core")
+    folded = estimate_layer(block, _ideal(), ParallelConfig(tp=2, dp=2, etp=1, eep=4), Recompute.NONE, seq_len=256,
+                            engine=mcore)
+    plain = estimate_layer(block, _ideal(), ParallelConfig(tp=2, ep=2), Recompute.NONE, seq_len=256, engine=mcore)
     assert folded.expert_param_count == 8 * 2 * 512 * 2048 // 4
     assert plain.expert_param_count == 8 * 2 * 512 * 2048 // (2 * 2)  # ep and, like ETP = TP, tp
     assert folded.fwd_s == pytest.approx(plain.fwd_s, rel=1e-6)
+    whole = estimate_layer(block, _ideal(), ParallelConfig(tp=2, ep=2), Recompute.NONE, seq_len=256)
+    assert whole.expert_param_count == 8 * 2 * 512 * 2048 // 2  # over ep only
+    assert whole.fwd_s > plain.fwd_s
 
 
 def test_expert_states_shard_over_the_expert_data_parallel_group() -> None:
