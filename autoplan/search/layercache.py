@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from autoplan.search.pricing import int_codes
+
 
 @lru_cache(maxsize=1)
 def _code_version() -> str:
@@ -58,7 +60,8 @@ def _read(path: Path, width: int, fields: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _match(stored: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """For each row of `keys`, the index of the equal row of `stored`, or -1."""
-    _, inverse = np.unique(np.concatenate([stored, keys]), axis=0, return_inverse=True)
+    both = np.concatenate([stored, keys])
+    _, inverse = np.unique(int_codes(*both.T), return_inverse=True)  # rows as integers: a 1-D unique
     inverse = inverse.reshape(-1)
     where = np.full(inverse.max(initial=-1) + 1, -1)
     where[inverse[:len(stored)]] = np.arange(len(stored))
