@@ -10,7 +10,6 @@ result equals a full capture (tests check it).
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import itertools
 import logging
@@ -27,6 +26,8 @@ from torch.export.graph_signature import InputKind
 
 from autoplan.graph import activations, components, layers, recognise
 from autoplan.graph.errors import CaptureError, describe_failure
+from autoplan.graph.meta import meta_copy as _meta_copy
+from autoplan.graph.meta import to_meta_in_place as _to_meta_in_place
 from autoplan.graph.types import ComponentGraph, Layer, LayerGraph, LayerRole
 
 __all__ = ["CaptureError", "capture", "capture_components"]
@@ -138,47 +139,6 @@ def _check_size(name: str, value: Any) -> None:
             if name == "seq_len"
             else f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1"
         )
-
-
-def _meta_tensors(model: nn.Module, dtype: torch.dtype) -> dict[int, Any]:
-    """id of each parameter and buffer -> its meta stand-in: parameters meta tensors of `dtype` (floating
-    ones), buffers meta tensors of their own dtype (tied tensors once)."""
-    memo: dict[int, Any] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if id(t) in memo:
-            continue
-        if isinstance(t, nn.Parameter):
-            target = dtype if t.is_floating_point() else t.dtype
-            memo[id(t)] = nn.Parameter(
-                torch.empty(t.shape, dtype=target, device="meta"), requires_grad=t.requires_grad
-            )
-        else:
-            memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    return memo
-
-
-def _to_meta_in_place(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """`model` with every parameter and buffer replaced by _meta_copy's stand-in, without copying the rest."""
-    memo = _meta_tensors(model, dtype)
-    for module in model.modules():
-        for table in (module._parameters, module._buffers):
-            for name, t in table.items():
-                if t is not None:
-                    table[name] = memo[id(t)]
-    return model
-
-
-def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A deep copy whose parameters are meta tensors of `dtype` (floating ones) and buffers meta tensors
-    of their own dtype: no weight is read, copied or moved."""
-    memo = _meta_tensors(model, dtype)
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception as exc:
-        raise CaptureError(
-            f"cannot copy {type(model).__name__} to the meta device (deepcopy failed: "
-            f"{type(exc).__name__}: {exc}); build the model under `with torch.device('meta'):` and pass that"
-        ) from exc
 
 
 def _inputs(
