@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from autoplan.cluster.load import _check_keys, _suggest, shipped_dirs
+from autoplan.cluster.load import _check_keys, _suggest, named_yaml, shipped_dirs, shipped_yaml
 from autoplan.plan.engine import ATTENTION_KINDS, GRAD_REDUCTIONS, SELECTIVE_KINDS, ZERO3_KINDS, Engine
 
 SCHEMA_VERSION = 1
@@ -29,31 +29,13 @@ def engine_dirs() -> tuple[Path, ...]:
     return shipped_dirs("engines")
 
 
-def _shipped() -> dict[str, Path]:
-    for directory in engine_dirs():
-        found = {p.stem: p for p in sorted(directory.glob("*.yaml"))}
-        if found:
-            return found
-    return {}
-
-
 def engine_names() -> tuple[str, ...]:
-    return tuple(sorted(_shipped()))
+    return tuple(sorted(shipped_yaml(engine_dirs())))
 
 
 def engine_path(name_or_path: str | os.PathLike[str]) -> Path:
-    """The file a shipped engine name or a path refers to."""
-    text = os.fspath(name_or_path)
-    shipped = _shipped()
-    if text in shipped:
-        return shipped[text]
-    if isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith((".yaml", ".yml")) or Path(text).is_file():
-        if not Path(text).is_file():
-            raise FileNotFoundError(f"engine file {text!r} does not exist")
-        return Path(text)
-    known = ", ".join(sorted(shipped)) or "(none found in " + ", ".join(map(str, engine_dirs())) + ")"
-    raise ValueError(f"unknown engine {text!r}{_suggest(text, list(shipped))}; known engines: {known}; "
-                     f"or pass a path to a YAML file")
+    """The file a shipped engine name or a path refers to (cluster.load.named_yaml)."""
+    return named_yaml(name_or_path, engine_dirs(), "engine", existing_file_is_path=True)
 
 
 def _value(key: str, value: Any, path: str) -> Any:
@@ -98,5 +80,5 @@ def load_engine(name_or_path: str | os.PathLike[str]) -> Engine:
         data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise ValueError(f"{path}: not valid YAML: {exc}") from None
-    shipped = path in _shipped().values()
+    shipped = path in shipped_yaml(engine_dirs()).values()
     return parse_engine(data, f"engines/{path.name}" if shipped else str(path))

@@ -59,12 +59,36 @@ def profile_dirs() -> tuple[Path, ...]:
     return shipped_dirs("profiles")
 
 
-def _shipped() -> dict[str, Path]:
-    for directory in profile_dirs():
+def shipped_yaml(directories: tuple[Path, ...]) -> dict[str, Path]:
+    """name -> file of the YAML files in the first of `directories` that has any (profiles, engines)."""
+    for directory in directories:
         found = {p.stem: p for p in sorted(directory.glob("*.yaml"))}
         if found:
             return found
     return {}
+
+
+def _shipped() -> dict[str, Path]:
+    return shipped_yaml(profile_dirs())
+
+
+def named_yaml(name_or_path: str | os.PathLike[str], directories: tuple[Path, ...], what: str, *,
+               existing_file_is_path: bool = False) -> Path:
+    """The file a shipped name or a YAML path refers to: a shipped name first, then anything that looks
+    like a path (FileNotFoundError when missing); otherwise one ValueError line with the close match and
+    the known names. `what` names the kind ("engine", "serving engine")."""
+    text = os.fspath(name_or_path)
+    shipped = shipped_yaml(directories)
+    if text in shipped:
+        return shipped[text]
+    looks_like_path = isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith((".yaml", ".yml"))
+    if looks_like_path or (existing_file_is_path and Path(text).is_file()):
+        if not Path(text).is_file():
+            raise FileNotFoundError(f"{what} file {text!r} does not exist")
+        return Path(text)
+    known = ", ".join(sorted(shipped)) or "(none found in " + ", ".join(map(str, directories)) + ")"
+    raise ValueError(f"unknown {what} {text!r}{_suggest(text, list(shipped))}; known {what.split()[-1]}s: {known}; "
+                     f"or pass a path to a YAML file")
 
 
 def _suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:

@@ -235,9 +235,10 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
                    groups: DpGroups) -> None:
     """Replace the rank's per-microbatch forward and backward by DeepSpeed stage 3's timeline
     (cost/deepspeed.py): per-parameter all-gathers over the data-parallel group (plus, with
-    zero3_gather_copy_out, the zero fill and torch's copy of the gathered list into each of the n outputs:
-    three passes over the parameter on the communication stream and deepspeed.GATHER_OPS_PER_RANK x n
-    ops at op_overhead_s on the host, before the compute), bucketed gradient reductions of
+    zero3_gather_copy_out, the zero fill of the output, waited for by the device synchronize before the
+    gather, then torch's copy of the gathered list into each of the n outputs: two passes over the
+    parameter on the communication stream and deepspeed.GATHER_OPS_PER_RANK x n ops at op_overhead_s on
+    the host, before the compute), bucketed gradient reductions of
     zero3_grad_reduction, one sub-module of prefetch; with zero3_regather_persistent, the per-step
     re-gather of the persistent parameters (deepspeed.persistent_regather) after the optimizer."""
     w, _, _ = state_bytes_per_param(cluster.dtype, engine)
@@ -247,9 +248,14 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
 
     def gather_s(numel: float) -> float:
         t = comm.all_gather_s(numel * w, groups.dense, cluster)
-        if engine.zero3_gather_copy_out:  # zero-filled, then the n copies read and write it once
-            t += memory_time_s(cluster.device, 3.0 * numel * w)
+        if engine.zero3_gather_copy_out:  # the n copies out of the flat result read and write it once
+            t += memory_time_s(cluster.device, 2.0 * numel * w)
         return t
+
+    def fill_s(numel: float) -> float:
+        # partition_parameters.py _allgather_param: torch.zeros(aligned_param_size) on the comm stream, then
+        # torch.cuda.synchronize() before the all_gather: the fill is waited for, not overlapped
+        return memory_time_s(cluster.device, numel * w) if engine.zero3_gather_copy_out else 0.0
 
     op = cluster.device.op_overhead_s
     issue = ds.GATHER_OPS_PER_RANK * n * op if engine.zero3_gather_copy_out else 0.0
@@ -271,7 +277,7 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
                                        - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full))
     fwd, bwd, comm_s = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
-                                       issue_s=issue)
+                                       issue_s=issue, fill_s=fill_s)
     base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
     base_b = sum(c.time_s for c in rank.costs) - base_f
     exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)

@@ -84,18 +84,20 @@ def block_modules(numels: Sequence[float], fwd_s: float, bwd_s: float, rec_s: fl
 
 def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: Engine, *, recompute: bool,
                  gather_s: Callable[[float], float], reduce_s: Callable[[float], float],
-                 issue_s: float = 0.0) -> tuple[float, float, float]:
+                 issue_s: float = 0.0, fill_s: Callable[[float], float] | None = None) -> tuple[float, float, float]:
     """(forward, backward, communication) seconds of one microbatch through `layers` (model order),
     each layer given as (its modules, its recomputed-forward modules). gather_s(numel) prices one
     parameter's all-gather on the communication stream, reduce_s(numel) one gradient bucket's
-    reduction, issue_s the host time to issue one gather (its copy-out launches), spent on the compute
-    stream's critical path. Forward and backward are makespans of _simulate, host time included."""
+    reduction, issue_s the host time to issue one gather (its copy-out launches) and fill_s(numel) the
+    zero fill of its output buffer that the device synchronize before the gather waits for, both on the
+    compute stream's critical path. Forward and backward are makespans of _simulate, host time included."""
     sync = engine.zero3_sync_per_module
     fwd_steps = [_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
                        partitioned=_partitioned(m, engine), keep=False)
                  for li, (mods, _) in enumerate(layers) for mi, m in enumerate(mods)]
-    fwd, comm_f = _simulate(fwd_steps, engine, gather_s, issue_s)
-    bwd, comm_b = _simulate(_backward_steps(layers, engine, recompute, reduce_s, sync), engine, gather_s, issue_s)
+    fwd, comm_f = _simulate(fwd_steps, engine, gather_s, issue_s, fill_s)
+    bwd, comm_b = _simulate(_backward_steps(layers, engine, recompute, reduce_s, sync), engine, gather_s, issue_s,
+                            fill_s)
     return fwd, bwd, comm_f + comm_b
 
 
@@ -112,7 +114,8 @@ class _Step:
     post: float = 0.0
 
 
-def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], float], issue_s: float) -> tuple[float, float]:
+def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], float], issue_s: float,
+              fill_s: Callable[[float], float] | None = None) -> tuple[float, float]:
     """stage3.py's fetch / prefetch / release on a compute and a communication stream (the makespan, and
     the communication time): fetch_sub_module gathers the module's parameter unless it is held or in
     flight and waits for it; prefetch_next_sub_modules then issues the next module's gather, only if no
@@ -130,7 +133,9 @@ def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], fl
 
     def issue(numel: float) -> float:
         nonlocal now, comm_free, comm_total
-        now = max(now, comm_free) + issue_s  # torch.cuda.synchronize(), then the host issues the gather
+        # the zero-filled output buffer, torch.cuda.synchronize() (which waits for the fill and for both
+        # streams), then the host issues the gather
+        now = max(now, comm_free) + (fill_s(numel) if fill_s else 0.0) + issue_s
         g = gather_s(numel)
         comm_free = now + g
         comm_total += g
@@ -177,15 +182,20 @@ def _step(m: Module, *, backward: bool, sync: bool) -> float:
 
 def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: bool) -> list[_Step]:
     """Layers in reverse: the recomputed forward (gathering again; a module stays gathered if fewer than
-    zero3_max_reuse_numel elements are used before its backward), then the backward in reverse module
-    order (released after); gradients fill buckets, each reduced when full (and the last one at the end)."""
+    zero3_max_reuse_numel elements are used between its recomputed forward and its backward: stage3.py
+    _keep_for_later -> get_reuse_distance_in_numel sums the parameters of the traced sub-modules in
+    between, here the layer's later modules twice, recomputed and then backward), then the backward in
+    reverse module order (released after); gradients fill buckets, each reduced when full (and the last
+    one at the end)."""
     steps: list[_Step] = []
     bucket = 0.0
     for li in reversed(range(len(layers))):
         mods, recs = layers[li]
         if recompute:
             for mi, m in enumerate(recs):
-                used_since = sum(x.numel for x in mods[mi + 1:])
+                # the trace between this recomputed use and the module's backward: the recomputed modules
+                # after it, then their backwards (stage3.py _distance_in_numel over sub_module_trace)
+                used_since = 2.0 * sum(x.numel for x in mods[mi + 1:])
                 steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
                                    partitioned=_partitioned(m, engine), keep=used_since < engine.zero3_max_reuse_numel))
         for mi in reversed(range(len(mods))):

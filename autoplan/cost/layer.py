@@ -60,7 +60,7 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
     if shape is not None:
         held, work = block_activation_bytes(shape, config.microbatch, seq_len, config, recompute, dbytes,
                                             materialised, selective=engine.selective_recompute,
-                                            expert_div=expert_divisor(config, engine))
+                                            expert_div=expert_divisor(config, engine), engine=engine)
         hidden_bytes = tokens * shape.h * dbytes
     else:
         held, work = other_activation_bytes(layer, scale, config, recompute, ratio)

@@ -29,7 +29,8 @@ NCCL_BUFFER_BYTES = 4 * 2**20
 
 def block_activation_bytes(shape: BlockShape, b: float, s: int, config: ParallelConfig,
                            recompute: Recompute, dtype_bytes: int, scores_materialised: bool, *,
-                           selective: str = "attention", expert_div: int | None = None) -> tuple[float, float]:
+                           selective: str = "attention", expert_div: int | None = None,
+                           engine: Engine | None = None) -> tuple[float, float]:
     """(held per microbatch, working extra during its backward) for one transformer block, bytes.
 
     Korthikanti et al. 2022, section 4.1 / Table 2, 16-bit activations, s tokens (s / cp per CP rank),
@@ -49,14 +50,32 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     parallelisms/parallelize_llama.py, 2024: no_recompute_list = mm, SDPA, reduce_scatter, "except every
     second mm"): the block input (h), the outputs of the 1st, 3rd, 5th and 7th matmuls (Q h, V h g / a,
     the first MLP projection f, the MLP output h) and the SDPA output (h) are kept; the rest is
-    recomputed in the backward (the working extra)."""
+    recomputed in the backward (the working extra).
+
+    What the engine's autograd keeps (plan.engine.Engine; default autoplan's executor):
+    - sp_saves_gathered_input: with SP the QKV and MLP inputs (2h + 2h) are kept all-gathered, over
+      the whole sequence (DTensor's ColwiseParallel under PrepareModuleInput saves the gathered input)
+      instead of the local shard that Megatron keeps and re-gathers in backward;
+    - attention_saves_repeated_kv: with grouped-query attention K and V are kept at the query heads'
+      width (4h instead of 4 h g / a: repeat_interleave / repeat_kv before the SDPA call, which saves
+      its arguments);
+    - cp_saves_gathered_kv: with cp > 1 the attention keeps the all-gathered K and V of the keys it
+      attends, on the busiest rank (cp rank 0, whose late chunk attends every key) the whole sequence:
+      b s tokens of K and V instead of the local b s / cp (held without recompute; re-gathered inside
+      the recomputed core under selective, and re-materialised under full: the working extra)."""
+    engine = engine or Engine()
     t, cp = config.tp, config.cp
     tokens = b * s / cp
     h_split = t if config.sp else 1
-    # bytes per token at 16 bits, as the paper counts them; without dropout (BlockShape.dropout) no masks
-    replicated = 10.0 * shape.h if shape.dropout else 8.0 * shape.h
+    # bytes per token at 16 bits, as the paper counts them; without dropout (BlockShape.dropout) no masks:
+    # the two norm inputs (2h + 2h), the two dropout masks (h + h), the QKV and MLP inputs (2h + 2h)
+    sharded = 6.0 * shape.h if shape.dropout else 4.0 * shape.h
+    linear_inputs = 4.0 * shape.h
+    linear_split = 1 if engine.sp_saves_gathered_input else h_split
     hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f * shape.dense_mlps
-    split = 2.0 * shape.h + 4.0 * shape.h * shape.g / shape.a + 2.0 * shape.h + hidden
+    kv_heads = shape.a if engine.attention_saves_repeated_kv else shape.g
+    kv = 4.0 * shape.h * kv_heads / shape.a  # K and V
+    split = 2.0 * shape.h + 2.0 * shape.h + hidden
     if shape.num_experts and shape.top_k:
         e_hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f_e
         # folded (etp, eep): a rank holds its tokens / tp routed copies gathered etp-fold, each with
@@ -65,17 +84,21 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
         experts = shape.top_k * (copies + e_hidden) / (expert_div or t)  # compute.expert_divisor
     else:
         experts = 0.0
-    per_token = (replicated / h_split + split / t + experts) * dtype_bytes / 2.0
+    # per token at the training dtype; with SP the linear inputs are kept on every token of the sequence
+    per_token = (sharded / h_split + (split + kv) / t + experts) * dtype_bytes / 2.0
+    linear_bytes = tokens * linear_inputs / linear_split * dtype_bytes / 2.0
+    kv_bytes = kv / t * dtype_bytes / 2.0
+    gathered_kv = kv_bytes * (b * s - tokens) if cp > 1 and engine.cp_saves_gathered_kv else 0.0
     score_bytes = 5.0 if shape.dropout else 2.0  # softmax output (+ dropout mask and output)
     scores = score_bytes * shape.a * s / t * dtype_bytes / 2.0 if scores_materialised else 0.0
-    full = tokens * (per_token + scores)
+    full = tokens * (per_token + scores) + linear_bytes + gathered_kv
     if recompute is Recompute.NONE:
         return full, 0.0
     if recompute is Recompute.SELECTIVE and selective == "op":
         kept = (2.0 * shape.h / h_split + (2.0 * shape.h + shape.h * shape.g / shape.a + shape.f) / t) * dtype_bytes
         return min(tokens * kept, full), max(full - tokens * kept, 0.0)
     if recompute is Recompute.SELECTIVE:
-        return tokens * per_token, tokens * scores
+        return tokens * per_token + linear_bytes, tokens * scores + gathered_kv
     return tokens * 2.0 * shape.h / h_split * dtype_bytes / 2.0, full
 
 

@@ -199,6 +199,7 @@ def save_component_plan(plan: ComponentPlan, path: str | Path) -> None:
 def load_component_plan(path: str | Path) -> ComponentPlan:
     return component_plan_from_json(Path(path).read_text())
 
+
 # What autoplan's component executor (execute/components.py) runs in each device group: dp x tp, with no
 # pipeline, context or expert parallelism inside the group, no sequence parallelism, recompute none or full
 # for the whole group. The component search plans groups within these options (search/components.py) and

@@ -49,6 +49,10 @@ class Engine:
     gather_copy_out: bool = True  # all-gathered weights are copied out of the collective's buffer on the compute stream
     tp_splits_unfolded_experts: bool = False  # unfolded routed experts split over the dense tp group (plan.layout.expert_tp_split)
     selective_recompute: str = "attention"  # what 'selective' recomputes: Megatron's attention core, or torchtitan's per-op policy
+    # what autograd keeps for the backward (cost/memory.block_activation_bytes)
+    sp_saves_gathered_input: bool = True  # with SP, the column-parallel linears keep their all-gathered input (DTensor), not the local shard
+    attention_saves_repeated_kv: bool = True  # grouped-query K / V are repeated to the query heads before the attention kernel, which keeps them
+    cp_saves_gathered_kv: bool = True  # context parallelism keeps the all-gathered K / V for the attention backward (not re-exchanged)
     # DeepSpeed ZeRO-3 (zero3='deepspeed'); ignored with fsdp2
     zero3_prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
     zero3_max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance

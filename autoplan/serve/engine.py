@@ -35,7 +35,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from autoplan.cluster.load import _check_keys, _number, _suggest, profile_dirs, read_profile
+from autoplan.cluster.load import _check_keys, _number, named_yaml, profile_dirs, read_profile, shipped_yaml
 from autoplan.serve.types import ServeEngine
 
 SCHEMA_VERSION = 1
@@ -56,31 +56,14 @@ def engine_dirs() -> tuple[Path, ...]:
     return tuple(dict.fromkeys(p.parent / "engines" / "serve" for p in profile_dirs()))
 
 
-def _shipped() -> dict[str, Path]:
-    for directory in engine_dirs():
-        found = {p.stem: p for p in sorted(directory.glob("*.yaml"))}
-        if found:
-            return found
-    return {}
-
-
 def engine_names() -> tuple[str, ...]:
-    return tuple(sorted(_shipped()))
+    return tuple(sorted(shipped_yaml(engine_dirs())))
 
 
 def engine_path(name_or_path: str | os.PathLike[str]) -> Path:
-    """The file a shipped engine name or a YAML path refers to (one line with a close match otherwise)."""
-    text = os.fspath(name_or_path)
-    shipped = _shipped()
-    if text in shipped:
-        return shipped[text]
-    if isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith((".yaml", ".yml")):
-        if not Path(text).is_file():
-            raise FileNotFoundError(f"serving engine profile file {text!r} does not exist")
-        return Path(text)
-    known = ", ".join(sorted(shipped)) or "(none found in " + ", ".join(map(str, engine_dirs())) + ")"
-    raise ValueError(f"unknown serving engine {text!r}{_suggest(text, list(shipped))}; known engines: {known}; "
-                     f"or pass a path to a YAML file")
+    """The file a shipped engine name or a YAML path refers to (cluster.load.named_yaml: one line with a
+    close match otherwise)."""
+    return named_yaml(name_or_path, engine_dirs(), "serving engine")
 
 
 def load_engine(name_or_path: str | os.PathLike[str] | ServeEngine | None = None) -> ServeEngine:

@@ -209,8 +209,9 @@ def test_deepspeed_zero3_costs_its_mechanism_against_fsdp2() -> None:
 def test_deepspeed_copy_out_costs_the_host_a_narrow_and_a_copy_per_rank() -> None:
     """torch.distributed.all_gather into a list (DeepSpeed 2021): per gathered parameter the host builds n
     output views and launches n copies (GATHER_OPS_PER_RANK x n ops) before the sub-module's compute, and
-    the communication stream zero-fills the parameter and copies it out (three passes), which the device
-    synchronize before the next gather exposes at most in full."""
+    the communication stream zero-fills the parameter (waited for by the synchronize before the gather) and
+    copies it out (two passes more), which the device synchronize before the next gather exposes at most in
+    full."""
     graph = gpt_graph(h=2048, a=16, layers=2, seq=512, unfused=False)
     device = dataclasses.replace(IDEAL.device, op_overhead_s=1e-5)
     cluster = dataclasses.replace(a100_cluster(2, nic_bw=1e15, ideal=True), device=device, dtype="fp16")
@@ -227,6 +228,28 @@ def test_deepspeed_copy_out_costs_the_host_a_narrow_and_a_copy_per_rank() -> Non
     passes = 2 * sum(3 * 2 * n for n in numels) / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
     extra = with_copy.step_time_s - without.step_time_s
     assert host <= extra <= 1.01 * (host + passes)
+
+
+def test_deepspeed_keeps_a_recomputed_parameter_only_within_the_reuse_distance() -> None:
+    """stage3.py _keep_for_later: a parameter used in the recomputed forward stays gathered for its backward
+    when the sub-modules traced in between (the layer's later modules recomputed, then their backwards) hold
+    fewer than stage3_max_reuse_distance elements. Modules of 4, 1, 6, 6 M elements and a 10 M distance:
+    only the last module (nothing in between) is kept; the third (2 x 6 M in between) is not, so the
+    backward gathers three modules again: 4 (forward) + 4 (recompute) + 3 (backward) gathers per layer,
+    counted by hand."""
+    ds = cost.deepspeed
+    numels = [4e6, 1e6, 6e6, 6e6]
+    layers = [ds.block_modules(numels, 1.0, 2.0, 1.0, 0.0, True) for _ in range(2)]
+    engine = dataclasses.replace(Engine.load("deepspeed"), zero3_max_reuse_numel=10**7, zero3_sync_per_module=False)
+    gathers: list[float] = []
+
+    def gather(numel: float) -> float:
+        gathers.append(numel)
+        return 1e-3
+
+    ds.microbatch_s(layers, engine, recompute=True, gather_s=gather, reduce_s=lambda n: 0.0)
+    assert len(gathers) == 2 * (4 + 4 + 3)
+    assert sorted(gathers[-3:]) == [1e6, 4e6, 6e6]  # the first layer's backward: all but the kept last module
 
 
 def test_deepspeed_regathers_the_persistent_parameters_rank_by_rank() -> None:

@@ -7,11 +7,11 @@ import itertools
 
 import pytest
 import torch.distributed.pipelining.schedules as torch_schedules
+from test_cost_graph_helper import a100_cluster, gpt_graph
 
 from autoplan.plan.layout import schedule_errors
 from autoplan.plan.types import ParallelConfig
 from autoplan.search.space import SCHEDULES, SearchOptions, enumerate_space
-from test_cost_graph_helper import a100_cluster, gpt_graph
 
 CASES = [(s, v) for s in ("gpipe", "1f1b") for v in (1,)] + [("interleaved", 2), ("zb", 1), ("zb", 2)]
 
