@@ -10,7 +10,6 @@ result equals a full capture (tests check it).
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import itertools
 import logging
@@ -27,6 +26,8 @@ from torch.export.graph_signature import InputKind
 
 from autoplan.graph import activations, components, layers, recognise
 from autoplan.graph.errors import CaptureError, describe_failure
+from autoplan.graph.meta import meta_copy as _meta_copy
+from autoplan.graph.meta import to_meta_in_place as _to_meta_in_place
 from autoplan.graph.types import ComponentGraph, Layer, LayerGraph, LayerRole
 
 __all__ = ["CaptureError", "capture", "capture_components"]
@@ -41,6 +42,7 @@ def capture(
     model_name: str | None = None,
     example_inputs: tuple[Any, ...] | None = None,
     reuse_blocks: bool = True,
+    copy_model: bool = True,
 ) -> LayerGraph:
     """The layer graph of `model` for one microbatch of `microbatch` sequences of `seq_len` tokens.
 
@@ -48,6 +50,8 @@ def capture(
     `input_ids=..., use_cache=False`); others a float input [microbatch, seq_len, in_features] for a
     leading Linear, [microbatch, C, side*stride, side*stride] with side = sqrt(seq_len) patches for a
     leading Conv2d; or pass `example_inputs` (tensors on any device; only shapes and dtypes are used).
+    `copy_model=False` traces `model` itself, its tensors swapped in place for the same meta tensors (faster,
+    the same graph; for a model built only to be captured: it is left on meta, in train mode).
     """
     _check_size("seq_len", seq_len)
     _check_size("microbatch", microbatch)
@@ -55,7 +59,7 @@ def capture(
         raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
-    shadow = _meta_copy(model, dtype)
+    shadow = _meta_copy(model, dtype) if copy_model else _to_meta_in_place(model, dtype)
     shadow.train()
     args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
     units = layers.find_units(shadow)
@@ -135,29 +139,6 @@ def _check_size(name: str, value: Any) -> None:
             if name == "seq_len"
             else f"{name} must be a positive integer, got {value!r}; pass e.g. {name}=1"
         )
-
-
-def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A deep copy whose parameters are meta tensors of `dtype` (floating ones) and buffers meta tensors
-    of their own dtype: no weight is read, copied or moved."""
-    memo: dict[int, Any] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if id(t) in memo:
-            continue
-        if isinstance(t, nn.Parameter):
-            target = dtype if t.is_floating_point() else t.dtype
-            memo[id(t)] = nn.Parameter(
-                torch.empty(t.shape, dtype=target, device="meta"), requires_grad=t.requires_grad
-            )
-        else:
-            memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception as exc:
-        raise CaptureError(
-            f"cannot copy {type(model).__name__} to the meta device (deepcopy failed: "
-            f"{type(exc).__name__}: {exc}); build the model under `with torch.device('meta'):` and pass that"
-        ) from exc
 
 
 def _inputs(

@@ -116,14 +116,15 @@ def _named_graph(spec: str, seq_len: int) -> LayerGraph:
         from autoplan.models.user import model_name_of
 
         return _captured(load_model(spec), seq_len, model_name_of(spec))
-    return cache.cached(cache.preset_key(spec, seq_len=seq_len), lambda: _capture(load_model(spec), seq_len, spec),
-                        model_name=spec)
+    # the preset is built for this capture alone: traced in place, not copied
+    return cache.cached(cache.preset_key(spec, seq_len=seq_len),
+                        lambda: _capture(load_model(spec), seq_len, spec, copy_model=False), model_name=spec)
 
 
-def _capture(model: Any, seq_len: int, name: str | None) -> LayerGraph:
+def _capture(model: Any, seq_len: int, name: str | None, copy_model: bool = True) -> LayerGraph:
     from autoplan.graph.capture import capture
 
-    return capture(model, seq_len=seq_len, microbatch=1, model_name=name)
+    return capture(model, seq_len=seq_len, microbatch=1, model_name=name, copy_model=copy_model)
 
 
 def _captured(model: Any, seq_len: int, name: str | None) -> LayerGraph:

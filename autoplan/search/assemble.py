@@ -9,6 +9,7 @@ of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) ma
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from autoplan.cost.overlap import contention_fraction
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, int_codes, per_mesh, price_rows
 from autoplan.search.space import RECOMPUTES, SCHEDULES
 
 _LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "reduce_every_microbatch",
@@ -35,27 +37,32 @@ def layouts(c: dict[str, np.ndarray], engine: Engine) -> dict[str, np.ndarray]:
     """zero_layout's fields per candidate (computed once per distinct (zero, pp, dp, ep, cp)), plus whether
     gradients are reduce-scattered."""
     keys = np.stack([c["zero"], c["pp"], c["dp"], c["ep"], c["cp"]], axis=1)
-    uniq, inverse = np.unique(keys, axis=0, return_inverse=True)
-    rows = []
-    for z, pp, dp, ep, cp in uniq.tolist():
-        lay = zero_layout(ParallelConfig(zero=z, pp=pp, dp=dp, ep=ep, cp=cp), 1, zero3=engine.zero3,
-                          pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
-        rows.append([float(getattr(lay, f)) for f in _LAYOUT_FIELDS] + [float(lay.grad_reduction == "reduce_scatter")])
+    _, first, inverse = np.unique(int_codes(*keys.T), return_index=True, return_inverse=True)
+    rows = [_layout_row(z, pp, dp, ep, cp, engine.zero3, engine.pipelined_fsdp_defers_sync)
+            for z, pp, dp, ep, cp in keys[first].tolist()]
     table = np.array(rows)[inverse.reshape(-1)]
     out = {f: table[:, i] for i, f in enumerate(_LAYOUT_FIELDS)}
     out["reduce_scatter"] = table[:, len(_LAYOUT_FIELDS)]
     return out
 
 
+@lru_cache(maxsize=65536)
+def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defers: bool) -> tuple[float, ...]:
+    """zero_layout's fields (and whether gradients are reduce-scattered) as floats, once per distinct input."""
+    lay = zero_layout(ParallelConfig(zero=zero, pp=pp, dp=dp, ep=ep, cp=cp), 1, zero3=zero3,
+                      pipelined_fsdp_defers_sync=defers)
+    return tuple(float(getattr(lay, f)) for f in _LAYOUT_FIELDS) + (float(lay.grad_reduction == "reduce_scatter"),)
+
+
 _KINDS = {"ag": comm.all_gather_s, "rs": comm.reduce_scatter_s, "ar": comm.all_reduce_s}
 # the experts' data-parallel group (cost.experts.expert_dp_placement: dp * cp unfolded, edp when folded)
 EXPERT_DP = ("edp",)
-_MESH_COLS = ("pp", "dp", "ep", "cp", "tp", "etp", "eep")
 
 
-def mesh_sizes(c: dict[str, np.ndarray]) -> np.ndarray:
-    """[n, 7] mesh degrees per candidate: MESH_AXIS_ORDER's five, then the folded expert degrees."""
-    return np.stack([c[k] for k in _MESH_COLS], axis=1)
+def mesh_sizes(c: dict[str, np.ndarray], pricing: Pricing | None = None) -> Mesh:
+    """[n, 7] mesh degrees per candidate (MESH_AXIS_ORDER's five, then the folded expert degrees), with what
+    pricing their collectives shares (search/pricing.py)."""
+    return Mesh.of(np.stack([c[k] for k in MESH_COLS], axis=1), pricing)
 
 
 def expert_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
@@ -65,42 +72,22 @@ def expert_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
     return c["dp"] * c["ep"] * c["cp"] * c["tp"] // (etp * eep)
 
 
-def _unique_rows(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct rows of the stacked columns and, for each input row, the index of its distinct row
-    (each column ranked on its own, the ranks combined into one integer key: 1-D uniques are fast)."""
-    cols = [np.asarray(c, dtype=float).reshape(-1) for c in columns]
-    key = np.zeros(len(cols[0]), dtype=np.int64)
-    for col in cols:
-        values, rank = np.unique(col, return_inverse=True)
-        key = key * len(values) + rank.reshape(-1)
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return np.stack([col[first] for col in cols], axis=1), inverse.reshape(-1)
-
-
-def collective_s(kind: str, sizes: np.ndarray, axes: tuple[str, ...], nbytes: np.ndarray,
+def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarray,
                  cluster: ClusterSpec) -> np.ndarray:
-    """cost.comm's time of `kind` ('ag', 'rs', 'ar') for each candidate's group over `axes` (mesh sizes
-    [n, 7] from mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array
-    [n] or [n, p]); each distinct (mesh, bytes) pair is priced once."""
-    nbytes = np.asarray(nbytes, dtype=float)
-    shape = nbytes.shape
-    per = 1 if nbytes.ndim == 1 else shape[1]
-    mesh = np.repeat(sizes, per, axis=0)
-    flat = np.round(nbytes.reshape(-1))
-    uniq, inverse = _unique_rows(*mesh.T, flat)
+    """cost.comm's time of `kind` ('ag', 'rs', 'ar') for each candidate's group over `axes` (the mesh from
+    mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array [n] or [n, p]);
+    each distinct (group placement, bytes) pair is priced once (search/pricing.py)."""
+    mesh = sizes if isinstance(sizes, Mesh) else Mesh.of(sizes)
+    per_node = cluster.devices_per_node
+    if axes == EXPERT_DP:
+        def place(row: tuple[int, ...]) -> Any:
+            return expert_dp_placement(config_of(row), per_node)
+    else:
+        def place(row: tuple[int, ...]) -> Any:
+            return comm.group_placement(config_of(row), axes, per_node)
     fn = _KINDS[kind]
-    groups: dict[tuple[int, ...], object] = {}
-    values = np.zeros(len(uniq))
-    for i, row in enumerate(uniq.tolist()):
-        key, b = tuple(int(x) for x in row[:-1]), row[-1]
-        if b <= 0:
-            continue
-        if key not in groups:
-            cfg = ParallelConfig(pp=key[0], dp=key[1], ep=key[2], cp=key[3], tp=key[4], etp=key[5], eep=key[6])
-            groups[key] = (expert_dp_placement(cfg, cluster.devices_per_node) if axes == EXPERT_DP
-                           else comm.group_placement(cfg, axes, cluster.devices_per_node))
-        values[i] = fn(b, groups[key], cluster)
-    return values[inverse].reshape(shape)
+    return price_rows(mesh, np.round(np.asarray(nbytes, dtype=float)), place, lambda b, group: fn(b, group, cluster),
+                      (axes, kind))
 
 
 def _uniform_exposed(compute: np.ndarray, pre: np.ndarray, post: np.ndarray, layers: np.ndarray) -> np.ndarray:
@@ -132,13 +119,14 @@ def _bucket_count(params: np.ndarray, layers: np.ndarray, bucket: int) -> np.nda
 
 def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
              c: dict[str, np.ndarray], pp: int, v: int, global_batch: int, cluster: ClusterSpec,
-             engine: Engine) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+             engine: Engine, pricing: Pricing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step time, peak memory, activations of the most loaded rank) per candidate. `f` holds the per-rank
     sums [n, p] of the per-layer fields (time, fwd, bwd_weight, act, params, dense_params,
-    expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops and out_bytes."""
+    expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops and out_bytes;
+    `pricing` what the collectives of one quick estimate share (search/pricing.py)."""
     m = (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
     lay = layouts(c, engine)
-    sizes = mesh_sizes(c)
+    sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
     w, g, o = state_bytes_per_param(cluster.dtype, engine)
     wire = grad_wire_bytes(cluster.dtype, engine)
@@ -146,7 +134,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
-    hops = extra["hops"] * collective_p2p(extra["out_bytes"], c, cluster)[:, None] if pp > 1 else 0.0
+    hops = extra["hops"] * collective_p2p(extra["out_bytes"], c, cluster, sizes)[:, None] if pp > 1 else 0.0
 
     def per_layer(kind: str, elem_bytes: float) -> np.ndarray:  # one rank's layers' collectives, summed
         d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
@@ -174,20 +162,23 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     if engine.zero3_regather_persistent and "regather_ops" in extra:  # deepspeed.persistent_regather per step
         step = step + np.where(deepspeed, (extra["regather_ops"][:, None] * layers).max(axis=1)
                                * cluster.device.op_overhead_s, 0.0)
-    mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed)
+    mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return step, mem, acts
 
 
-def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec) -> np.ndarray:
+def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec,
+                   sizes: Mesh | None = None) -> np.ndarray:
     """cost.comm.p2p_s of the activation a pipeline cut sends, on the link the pp group crosses (each
     distinct (mesh, bytes) priced once)."""
-    uniq, inverse = _unique_rows(c["pp"], c["dp"], c["ep"], c["cp"], c["tp"], np.round(out_bytes))
-    values = np.zeros(len(uniq))
-    for i, (pp, dp, ep, cp, tp, b) in enumerate(uniq.tolist()):
-        cfg = ParallelConfig(pp=int(pp), dp=int(dp), ep=int(ep), cp=int(cp), tp=int(tp))
-        cross = comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes
-        values[i] = comm.p2p_s(b, cross, cluster)
-    return values[inverse]
+    mesh = sizes if sizes is not None else mesh_sizes(c)
+
+    def crosses(row: tuple[int, ...]) -> bool:
+        pp, dp, ep, cp, tp = row[:5]  # the pp group's placement reads MESH_AXIS_ORDER's five
+        cfg = ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
+        return comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes
+
+    return price_rows(mesh, np.round(out_bytes), crosses, lambda b, cross: comm.p2p_s(b, cross, cluster),
+                      ("pp-crosses", "p2p"), skip_nonpositive=False)
 
 
 def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
@@ -267,7 +258,7 @@ def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
     return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
 
 
-def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed):
+def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes):
     """cost.memory.rank_memory term by term: model states under the layout, ZeRO-3's working set,
     activations x in-flight microbatches + the working set, runtime reserve + NCCL buffers."""
     dense_n = (c["dp"] * c["ep"] * c["cp"])[:, None]
@@ -283,10 +274,7 @@ def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspee
     ds = (3.0 * extra["max_numel"][:, None] + 2.0 * engine.zero3_reduce_bucket_numel) * w + 0.0 * fsdp
     working = np.where(deepspeed[:, None], ds, np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0))
     acts = f["act"] * inflight(c["schedule"], pp, v, m) + extra["work"]
-    uniq, inverse = _unique_rows(c["tp"], c["cp"], c["ep"], c["dp"], c["etp"], c["eep"])
-    nccl = np.array([nccl_buffer_bytes(ParallelConfig(tp=int(t), cp=int(cp), ep=int(ep), pp=pp, dp=int(dp),
-                                                      etp=int(etp), eep=int(eep)), cluster)
-                     for t, cp, ep, dp, etp, eep in uniq.tolist()])[inverse]
+    nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster))
     reserve = cluster.device.runtime_reserve_bytes + nccl
     return (states + working + acts).max(axis=1) + reserve, acts.max(axis=1)
 

@@ -9,15 +9,18 @@ next to the graph cache (cache_root()/layer-costs; AUTOPLAN_CACHE_DIR=off disabl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from autoplan.search.pricing import int_codes
 
 
 @lru_cache(maxsize=1)
@@ -57,7 +60,8 @@ def _read(path: Path, width: int, fields: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _match(stored: np.ndarray, keys: np.ndarray) -> np.ndarray:
     """For each row of `keys`, the index of the equal row of `stored`, or -1."""
-    _, inverse = np.unique(np.concatenate([stored, keys]), axis=0, return_inverse=True)
+    both = np.concatenate([stored, keys])
+    _, inverse = np.unique(int_codes(*both.T), return_inverse=True)  # rows as integers: a 1-D unique
     inverse = inverse.reshape(-1)
     where = np.full(inverse.max(initial=-1) + 1, -1)
     where[inverse[:len(stored)]] = np.arange(len(stored))
@@ -85,10 +89,30 @@ def layer_costs(layer: Any, cluster: Any, seq_len: int, fields: tuple[str, ...],
 
 
 def _add(path: Path, keys: np.ndarray, values: np.ndarray) -> None:
-    """Merge new rows with what is on disk now (another plan may have added some) and rename into place."""
+    """Merge new rows with what is on disk now (another plan, or another piece of this search, may have added
+    some) and rename into place, holding a lock on the entry meanwhile so that two writers of one entry cannot
+    drop each other's rows (the search's pieces write the same layers' entries at the same time)."""
     from autoplan.graph.cache import replace_atomically
 
-    old_keys, old = _read(path, keys.shape[1], values.shape[1])
-    keep = _match(keys, old_keys) < 0
-    keys, values = np.concatenate([old_keys[keep], keys]), np.concatenate([old[keep], values])
-    replace_atomically(path, lambda f: np.savez(f, keys=keys, values=values), binary=True)
+    with _locked(path):
+        old_keys, old = _read(path, keys.shape[1], values.shape[1])
+        keep = _match(keys, old_keys) < 0
+        keys, values = np.concatenate([old_keys[keep], keys]), np.concatenate([old[keep], values])
+        replace_atomically(path, lambda f: np.savez(f, keys=keys, values=values), binary=True)
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive advisory lock (fcntl.flock on `path`.lock) around the block; none where flock is missing
+    or the lock file cannot be made (then a concurrent writer may drop rows: they are recomputed later)."""
+    try:
+        import fcntl
+
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(path.with_suffix(".lock"), "w")  # noqa: SIM115 - held open for the lock's lifetime
+    except (ImportError, OSError):
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        yield

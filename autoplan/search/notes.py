@@ -31,10 +31,13 @@ def top_causes(plan: Plan, n: int = 3) -> list[tuple[str, float]]:
 
 
 def _same_except(space: Space, row: int, **changes: int) -> np.ndarray:
-    mask = np.ones(len(space), dtype=bool)
-    for col in COLUMNS:
-        mask &= space.columns[col] == changes.get(col, space.columns[col][row])
-    return np.nonzero(mask)[0]
+    """The rows equal to `row` in every column but those changed (ascending): the first column compared over
+    the whole space, the others over what is left."""
+    first, *rest = COLUMNS
+    rows = np.nonzero(space.columns[first] == changes.get(first, space.columns[first][row]))[0]
+    for col in rest:
+        rows = rows[space.columns[col][rows] == changes.get(col, space.columns[col][row])]
+    return rows
 
 
 def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: ClusterSpec, space: Space, quick: Quick,
@@ -54,7 +57,8 @@ def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: Cluste
     notes += _alternatives("tp", plan, ctx)
     blocks = len(graph.blocks)
     if c.pp > 1:
-        sizes = [sum(1 for n in s.layer_names if n in {b.name for b in graph.blocks}) for s in plan.stages]
+        names = {b.name for b in graph.blocks}
+        sizes = [sum(1 for n in s.layer_names if n in names) for s in plan.stages]
         mbs = _n(c.num_microbatches(plan.global_batch), "microbatch")
         notes.append(f"pp={c.pp} cuts the {blocks} blocks into {len(plan.stages)} stages ({_sizes(sizes)} blocks) so "
                      f"each device holds 1/{c.pp} of the weights; with {mbs} the bubble costs "
@@ -95,22 +99,34 @@ def _context_and_experts(plan: Plan, ctx: dict[str, Any]) -> list[str]:
     return out + _alternatives("ep", plan, ctx)
 
 
+ALTERNATIVE_AXES = ("tp", "pp", "cp", "ep")  # the degrees the best plan's notes weigh (_alternatives)
+
+
+def alternative_rows(axis: str, space: Space, quick: Quick, row: int, capacity: float) -> list[tuple[int, list[int]]]:
+    """(degree, rows) for each degree of `axis` other than row's: its two quickest candidates that fit by
+    the quick estimate (fewer when fewer fit), whose exact estimates _alternatives weighs."""
+    col = space.columns[axis]
+    fit = np.nonzero(quick.peak_mem_bytes <= capacity)[0]
+    fit_col = col[fit]
+    out = []
+    for value in np.unique(col).tolist():
+        if value == col[row]:
+            continue
+        idx = fit[fit_col == value]
+        out.append((value, idx[np.argsort(quick.step_time_s[idx])[:2]].tolist()))
+    return out
+
+
 def _alternatives(axis: str, plan: Plan, ctx: dict[str, Any]) -> list[str]:
     """Why this degree (for the best plan): at each other degree, the fastest of its two quickest
     fitting candidates by the exact estimate, relative to this plan."""
     space, quick, row, cost = ctx["space"], ctx["quick"], ctx["row"], ctx["cost"]
     if row < 0 or plan.rank != 1 or cost is None:
         return []
-    col = space.columns[axis]
-    fit = quick.peak_mem_bytes <= plan.estimate.mem_capacity_bytes
     parts = []
-    for value in np.unique(col).tolist():
-        if value == col[row]:
-            continue
-        idx = np.nonzero((col == value) & fit)[0]
+    for value, rows in alternative_rows(axis, space, quick, row, plan.estimate.mem_capacity_bytes):
         times = [e.step_time_s for e in (cost.estimate_config(ctx["graph"], ctx["cluster"], space.config(r),
-                                                              global_batch=plan.global_batch)
-                                         for r in idx[np.argsort(quick.step_time_s[idx])[:2]].tolist()) if e.fits]
+                                                              global_batch=plan.global_batch) for r in rows) if e.fits]
         parts.append(f"{axis}={value} " + (f"{min(times) / plan.estimate.step_time_s - 1:+.0%}" if times
                                            else "does not fit"))
     if not parts:

@@ -17,7 +17,8 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
 from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute
 from autoplan.search.hetero import group_notes, plan_stages
-from autoplan.search.notes import nothing_fits_message, plan_notes
+from autoplan.search.memo import MemoCost
+from autoplan.search.notes import ALTERNATIVE_AXES, alternative_rows, nothing_fits_message, plan_notes
 from autoplan.search.parallel import run_parts
 from autoplan.search.refine import refine
 from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space, token_free_restriction
@@ -58,7 +59,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     """The top_k fitting plans, fastest first, ties folded (search.ties); ValueError (with the overflow and
     the remedies) if none fits. `record`, when given, receives the candidates: "quick" (the quick estimate
     of every candidate) and "exact" (the exactly estimated, fitting ones), for a Pareto plot."""
-    cost = cost_model or importlib.import_module("autoplan.cost")
+    cost = MemoCost(cost_model or importlib.import_module("autoplan.cost"))  # each exact estimate made once
     options, restricted = token_free_restriction(graph, options)
     with _status(options.progress) as status:
         status(f"enumerating configurations for {cluster.num_devices} devices")
@@ -84,8 +85,26 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
                         + group_notes(p, graph, cluster) + ((restricted,) if restricted else ()))
                 for p, (cand, _) in part]
 
-    # the best plan's notes weigh the alternatives (exact estimates): it goes alone beside the others
-    return tuple(p for part in run_parts(noted, [pairs[:1], pairs[1:]] if len(pairs) > 1 else [pairs]) for p in part)
+    # the best plan's notes weigh the alternatives: their exact estimates first, over the cores
+    _estimate_alternatives(graph, cluster, space, quick, plans[0], ranked[0][0].row, options, cost)
+    return tuple(noted(pairs))
+
+
+def _estimate_alternatives(graph, cluster, space: Space, quick: Quick, best: Plan, row: int, options, cost) -> None:
+    """The exact estimates the best plan's notes will ask for (notes.alternative_rows), made in two halves
+    side by side and kept in the search's memo (cost: a MemoCost)."""
+    if row < 0:
+        return
+    rows = list(dict.fromkeys(r for axis in ALTERNATIVE_AXES
+                              for _, some in alternative_rows(axis, space, quick, row, best.estimate.mem_capacity_bytes)
+                              for r in some))
+
+    def exact(part: list[int]) -> list[tuple[int, Estimate]]:
+        return [(r, cost.estimate_config(graph, cluster, space.config(r), global_batch=options.global_batch))
+                for r in part]
+
+    for r, est in (pair for part in run_parts(exact, _halves(rows)) for pair in part):
+        cost.remember(graph, cluster, space.config(r), est, global_batch=options.global_batch)
 
 
 def _quick_estimates(graph: LayerGraph, cluster: ClusterSpec, space: Space, global_batch: int, cost: Any) -> Quick:
@@ -139,11 +158,12 @@ def _rounds(graph, cluster, space: Space, quick: Quick, options, cost, status, o
         status(f"exact estimates {done + 1}-{done + len(batch)} of {len(order):,} plausible candidates")
 
         def exact(rows: list[int]) -> list[Candidate]:
-            out = [Candidate(config=space.config(r), estimate=cost.estimate_config(
+            return [Candidate(config=space.config(r), estimate=cost.estimate_config(
                 graph, cluster, space.config(r), global_batch=options.global_batch), row=r) for r in rows]
-            return [c for c in out if c.estimate.fits]
 
-        found += [c for part in run_parts(exact, _halves(batch)) for c in part]
+        for cand in (c for part in run_parts(exact, _halves(batch)) for c in part):
+            cost.remember(graph, cluster, cand.config, cand.estimate, global_batch=options.global_batch)
+            found += [cand] if cand.estimate.fits else []
         done += len(batch)
     return found
 

@@ -8,8 +8,10 @@ legal combination is listed; pruning happens in search.py on predicted costs, by
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
@@ -134,8 +136,12 @@ def token_free_restriction(graph: LayerGraph, options: SearchOptions) -> tuple[S
     return replace(options, **changes), note
 
 
+@lru_cache(maxsize=4096)
 def divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+    """The divisors of n, ascending (pairs d, n // d up to sqrt(n): enumerate_space asks for each mesh's
+    per-replica batch)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
 def _fits(graph: LayerGraph, config: ParallelConfig, global_batch: int | None = None,

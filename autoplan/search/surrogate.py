@@ -22,6 +22,7 @@ from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
 from autoplan.search.assemble import assemble, max_param_numel
 from autoplan.search.assemble import inflight as _inflight
 from autoplan.search.layercache import layer_costs
+from autoplan.search.pricing import Pricing, int_codes
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
@@ -132,45 +133,104 @@ def _placement(sizes: tuple[int, ...], wanted: tuple[str, ...], devices_per_node
 
 def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global_batch: int, cost: Any) -> Quick:
     """Step time and peak memory of every candidate with the balanced split and uniform recompute, for the
-    engine `cost` is bound to (autoplan.cost.with_engine; the plain module means autoplan's executor)."""
+    engine `cost` is bound to (autoplan.cost.with_engine; the plain module means autoplan's executor).
+    Candidates are assembled per pipeline shape, in chunks of at most CHUNK rows of whole layer-table keys
+    (arrays that stay in cache; each candidate's estimate depends on its own row only)."""
     engine = getattr(cost, "engine", None) or Engine()
     key_of, table = layer_table(graph, cluster, space, cost)
     c = space.columns
-    n = len(space)
-    step, peak, act_out = np.zeros(n), np.zeros(n), np.zeros(n)
-    names = {layer.name: i for i, layer in enumerate(graph.layers)}
-    block = next((i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK), 0)
-    out_bytes = table[:, block, FIELDS.index("out_bytes")]  # what a pipeline cut sends
+    step, peak, act_out = np.zeros(len(space)), np.zeros(len(space)), np.zeros(len(space))
     cum = np.concatenate([np.zeros((table.shape[0], 1, table.shape[2])), np.cumsum(table, axis=1)], axis=1)
     v_shape = ((c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE)) & (c["virtual_stages"] == 2)).astype(int)
     max_numel = max_param_numel(graph, c["tp"])
-    for pp, v, vee in sorted(set(zip(c["pp"].tolist(), c["virtual_stages"].tolist(), v_shape.tolist()))):
-        idx = np.nonzero((c["pp"] == pp) & (c["virtual_stages"] == v) & (v_shape == vee))[0]
-        config = space.config(int(idx[0]))  # the schedule decides the placement (plan.layout.stage_ranks)
-        stages = cost.balanced_stages(graph, config)
-        bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
-        ranks = stage_ranks(config)
-        placement = np.zeros((pp * v, pp))
-        placement[np.arange(pp * v), ranks] = 1.0  # [stage, rank]
-        layers_per_rank = np.diff(bounds) @ placement
+    prices: dict = {}  # every collective priced once per quick estimate (search/pricing.py)
+    for idx in _pipeline_shapes(c["pp"], c["virtual_stages"], v_shape):
+        pp, v = int(c["pp"][idx[0]]), int(c["virtual_stages"][idx[0]])
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
-        sub = cum[keys]
-        per_stage = sub[:, bounds[1:]] - sub[:, bounds[:-1]]  # [keys, S, F]
-        per_rank = np.einsum("ksf,sr->krf", per_stage, placement)[inverse.reshape(-1)]
-        extra = {"hops": np.broadcast_to(_hops(ranks, pp), (len(idx), pp)), "out_bytes": out_bytes[key_of[idx]],
-                 "max_numel": max_numel[idx]}
-        if engine.zero3 == "deepspeed" and engine.zero3_regather_persistent:
-            extra["regather_ops"] = _regather_ops(graph, cluster, c, idx, cost, engine)
-        for name in ("params", "work"):  # per-rank maxima over the rank's stages
-            stage_max = np.maximum.reduceat(table[keys][:, :, FIELDS.index(name)], bounds[:-1], axis=1)
-            rank_max = np.stack([stage_max[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1)
-                                 for k in range(pp)], axis=1)
-            extra["max_params" if name == "params" else "work"] = rank_max[inverse.reshape(-1)]
-        f = {name: per_rank[:, :, i] for i, name in enumerate(FIELDS)}
-        cols = {k: col[idx] for k, col in c.items()}
-        step[idx], peak[idx], act_out[idx] = assemble(f, layers_per_rank, extra, cols, pp, v, global_batch,
-                                                      cluster, engine)
+        shape = _shape_tables(graph, space.config(int(idx[0])), table, cum, keys, cost)
+        order = np.argsort(inverse.reshape(-1), kind="stable")  # the rows of each key together
+        regather = (_regather_ops(graph, cluster, c, idx, cost, engine)
+                    if engine.zero3 == "deepspeed" and engine.zero3_regather_persistent else None)
+        for part in _chunks(inverse.reshape(-1)[order], max(CHUNK // pp, 64)):
+            rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
+            extra = {"hops": np.broadcast_to(shape["hops"], (len(rows), pp)), "out_bytes": shape["out_bytes"][key],
+                     "max_numel": max_numel[rows], "max_params": shape["max_params"][key],
+                     "work": shape["work"][key]}
+            if regather is not None:
+                extra["regather_ops"] = regather[order[part]]
+            f = {name: shape["per_rank"][:, :, i][key] for i, name in enumerate(FIELDS)}
+            cols = {k: col[rows] for k, col in c.items()}
+            # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
+            step[rows], peak[rows], act_out[rows] = assemble(f, shape["layers_per_rank"], extra, cols, pp, v,
+                                                             global_batch, cluster, engine, Pricing(prices, key))
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
+
+
+CHUNK = 65536  # candidates x pipeline ranks assembled at once: arrays of about 512 kB, which stay in cache
+
+
+def _chunks(sorted_keys: np.ndarray, rows: int) -> list[slice]:
+    """Consecutive slices of about `rows` rows of `sorted_keys` (sorted), each cut at a change of key (a key
+    longer than that gets a slice of its own)."""
+    out, start, n = [], 0, len(sorted_keys)
+    while start < n:
+        end = min(start + rows, n)
+        if end < n:
+            cut = int(np.searchsorted(sorted_keys, sorted_keys[end], side="left"))
+            end = cut if cut > start else int(np.searchsorted(sorted_keys, sorted_keys[end], side="right"))
+        out.append(slice(start, end))
+        start = end
+    return out
+
+
+def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, cum: np.ndarray, keys: np.ndarray,
+                  cost: Any) -> dict[str, np.ndarray]:
+    """For one pipeline shape (the config's pp, virtual stages and schedule: the schedule decides the placement,
+    plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the fields [keys, p, F], the
+    per-rank maxima of params and work [keys, p], layers per rank, p2p hops and what a pipeline cut sends."""
+    pp, v = config.pp, config.virtual_stages
+    names = {layer.name: i for i, layer in enumerate(graph.layers)}
+    stages = cost.balanced_stages(graph, config)
+    bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
+    ranks = stage_ranks(config)
+    placement = np.zeros((pp * v, pp))
+    placement[np.arange(pp * v), ranks] = 1.0  # [stage, rank]
+    sub = cum[keys[:, None], bounds[None, :]]  # [keys, S + 1, F]: the cumulative sums at the cuts
+    per_stage = sub[:, 1:] - sub[:, :-1]  # [keys, S, F]
+    block = next((i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK), 0)
+    out = {"per_rank": _per_rank(per_stage, placement, ranks), "layers_per_rank": np.diff(bounds) @ placement,
+           "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")]}
+    for name in ("params", "work"):  # per-rank maxima over the rank's stages
+        stage_max = np.maximum.reduceat(table[keys, :, FIELDS.index(name)], bounds[:-1], axis=1)
+        out["max_params" if name == "params" else "work"] = np.stack(
+            [stage_max[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1) for k in range(pp)], axis=1)
+    return out
+
+
+def _pipeline_shapes(pp: np.ndarray, v: np.ndarray, v_shape: np.ndarray) -> list[np.ndarray]:
+    """The candidate rows of each (pp, virtual stages, V-shape), rows ascending, in the order of the sorted
+    triples (one sort for all, instead of a scan of every row per triple)."""
+    code = int_codes(pp, v, v_shape)
+    if not len(code):
+        return []
+    order = np.argsort(code, kind="stable")
+    starts = np.flatnonzero(np.diff(code[order], prepend=-1))
+    return np.split(order, starts[1:])
+
+
+def _per_rank(per_stage: np.ndarray, placement: np.ndarray, ranks: tuple[int, ...]) -> np.ndarray:
+    """Each rank's sum of its stages' fields [keys, p, F]: einsum("ksf,sr->krf", per_stage, placement), which
+    adds each rank's stages to zero in stage order; so does this, one stage per rank at a time, when every
+    rank holds as many stages (test_search_surrogate checks it against einsum), in O(stages) not
+    O(stages x ranks)."""
+    pp = placement.shape[1]
+    held = [[s for s, r in enumerate(ranks) if r == k] for k in range(pp)]
+    if len({len(h) for h in held}) != 1:
+        return np.einsum("ksf,sr->krf", per_stage, placement)
+    out = np.zeros((per_stage.shape[0], pp, per_stage.shape[2]))
+    for j in range(len(held[0])):
+        out += per_stage[:, [h[j] for h in held], :]
+    return out
 
 
 def _regather_ops(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, np.ndarray], idx: np.ndarray, cost: Any,

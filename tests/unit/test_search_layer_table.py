@@ -56,3 +56,29 @@ def test_a_second_table_on_the_same_cluster_estimates_nothing(tmp_path, monkeypa
         entry.write_bytes(b"not an npz")
     assert np.array_equal(layer_table(graph, cluster, space, cost)[1], first[1])  # unreadable: recomputed
     assert len(calls) == 3 * n
+
+
+def test_pieces_writing_one_entry_at_once_keep_every_row(tmp_path, monkeypatch) -> None:
+    """The search's pieces add rows to the same layer's entry side by side (in forked processes): the entry
+    lock keeps both pieces' rows, so a second plan estimates nothing."""
+    from autoplan.search import layercache, parallel
+
+    monkeypatch.setenv("AUTOPLAN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(parallel, "usable_cores", lambda: 2)
+    graph = gpt_graph(h=512, a=8, layers=3, seq=512, vocab=4096)
+    cluster = a100_cluster(1, per_node=8)
+    layer, fields = graph.layers[1], ("a", "b")
+
+    def write(start: int) -> int:
+        keys = np.arange(start, start + 40, dtype=np.int64)[:, None]
+        for i in range(0, 40, 4):  # many small merges, interleaving with the other piece's
+            layercache.layer_costs(layer, cluster, graph.seq_len, fields, keys[i:i + 4],
+                                   lambda missing, i=i: np.full((len(missing), 2), float(start + i)))
+        return start
+
+    assert parallel.run_parts(write, [0, 1000]) == [0, 1000]
+    every = np.concatenate([np.arange(40), np.arange(1000, 1040)])[:, None]
+    missing = []
+    layercache.layer_costs(layer, cluster, graph.seq_len, fields, every,
+                           lambda rows: missing.append(len(rows)) or np.zeros((len(rows), 2)))
+    assert missing == []
