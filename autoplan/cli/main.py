@@ -10,9 +10,11 @@ import argparse
 import importlib
 import sys
 
+from autoplan import __version__
+
 # subcommand modules, each owning its flags
-_COMMAND_MODULES = ("autoplan.cli.plan", "autoplan.cli.run", "autoplan.cli.profile", "autoplan.cli.validate",
-                    "autoplan.cli.calibrate", "autoplan.cli.timeline")
+_COMMAND_MODULES = ("autoplan.cli.plan", "autoplan.cli.run", "autoplan.cli.profile", "autoplan.cli.serve",
+                    "autoplan.cli.validate", "autoplan.cli.calibrate", "autoplan.cli.timeline")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="autoplan",
         description="Find, explain and run the fastest way to parallelise a PyTorch training job.",
     )
+    parser.add_argument("--version", action="version", version=f"autoplan {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:

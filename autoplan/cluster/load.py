@@ -39,28 +39,59 @@ _FRACTIONS = frozenset(
         "p2p_bw_fraction",
     }
 )
-_INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes"})
+_INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes", "num_sms", "nccl_sms"})
+_BOOLEANS = frozenset({"gemm_epilogue_overlap"})
 
 
-def profile_dirs() -> tuple[Path, ...]:
-    """Where shipped profiles may live, in order: the source checkout (or editable install), then the
-    wheel's data directory (pyproject's data-files put them under <prefix>/share/autoplan/profiles)."""
-    candidates = [Path(__file__).resolve().parents[2] / "profiles"]
+def shipped_dirs(folder: str) -> tuple[Path, ...]:
+    """Where a shipped data folder ("profiles", "engines") may live, in order: the source checkout (or
+    editable install), then the wheel's data directory (pyproject's data-files put it under
+    <prefix>/share/autoplan/<folder>)."""
+    candidates = [Path(__file__).resolve().parents[2] / folder]
     for scheme in (None, f"{os.name}_user"):
         try:
             data = sysconfig.get_path("data") if scheme is None else sysconfig.get_path("data", scheme)
         except KeyError:
             continue
-        candidates.append(Path(data) / "share" / "autoplan" / "profiles")
+        candidates.append(Path(data) / "share" / "autoplan" / folder)
     return tuple(dict.fromkeys(candidates))
 
 
-def _shipped() -> dict[str, Path]:
-    for directory in profile_dirs():
+def profile_dirs() -> tuple[Path, ...]:
+    """Where shipped profiles may live (shipped_dirs("profiles"))."""
+    return shipped_dirs("profiles")
+
+
+def shipped_yaml(directories: tuple[Path, ...]) -> dict[str, Path]:
+    """name -> file of the YAML files in the first of `directories` that has any (profiles, engines)."""
+    for directory in directories:
         found = {p.stem: p for p in sorted(directory.glob("*.yaml"))}
         if found:
             return found
     return {}
+
+
+def _shipped() -> dict[str, Path]:
+    return shipped_yaml(profile_dirs())
+
+
+def named_yaml(name_or_path: str | os.PathLike[str], directories: tuple[Path, ...], what: str, *,
+               existing_file_is_path: bool = False) -> Path:
+    """The file a shipped name or a YAML path refers to: a shipped name first, then anything that looks
+    like a path (FileNotFoundError when missing); otherwise one ValueError line with the close match and
+    the known names. `what` names the kind ("engine", "serving engine")."""
+    text = os.fspath(name_or_path)
+    shipped = shipped_yaml(directories)
+    if text in shipped:
+        return shipped[text]
+    looks_like_path = isinstance(name_or_path, os.PathLike) or os.sep in text or text.endswith((".yaml", ".yml"))
+    if looks_like_path or (existing_file_is_path and Path(text).is_file()):
+        if not Path(text).is_file():
+            raise FileNotFoundError(f"{what} file {text!r} does not exist")
+        return Path(text)
+    known = ", ".join(sorted(shipped)) or "(none found in " + ", ".join(map(str, directories)) + ")"
+    raise ValueError(f"unknown {what} {text!r}{_suggest(text, list(shipped))}; known {what.split()[-1]}s: {known}; "
+                     f"or pass a path to a YAML file")
 
 
 def _suggest(word: str, choices: list[str] | tuple[str, ...]) -> str:
@@ -132,6 +163,11 @@ def _parse_device(data: Any, path: str) -> DeviceSpec:
     values["peak_flops"] = tuple((d, _number(peaks[d], f"device.peak_flops.{d}", path)) for d in DTYPES)
     for key in data:
         if key in ("name", "peak_flops"):
+            continue
+        if key in _BOOLEANS:
+            if not isinstance(data[key], bool):
+                raise ValueError(f"{path}: field 'device.{key}' must be true or false, got {data[key]!r}")
+            values[key] = data[key]
             continue
         number = _number(data[key], f"device.{key}", path, allow_zero=key in _optional_fields(DeviceSpec))
         values[key] = int(number) if key in _INTEGERS else number
@@ -242,11 +278,31 @@ class Cluster:
         name_or_path: str | os.PathLike[str], *, num_nodes: int = 1, devices_per_node: int | None = None
     ) -> ClusterSpec:
         """Read a shipped profile by name or any profile file by path, for num_nodes nodes
-        (devices_per_node overrides the profile's, e.g. a 2-rank local run)."""
+        (devices_per_node overrides the profile's, e.g. a 2-rank local run).
+
+        Heterogeneous clusters: "dgx-a100-80gb:4,dgx-h100-80gb:2" (profile:nodes, comma separated) or a
+        profile with `groups:` (cluster/groups.py); their node counts are in the text, so num_nodes stays 1,
+        and devices_per_node, when given, applies to every group."""
+        from autoplan.cluster.groups import is_group_list, load_group_list, parse_groups_profile
+
+        if isinstance(name_or_path, str) and is_group_list(name_or_path):
+            return load_group_list(name_or_path, num_nodes=num_nodes, devices_per_node=devices_per_node)
         path = Cluster.path(name_or_path)
-        return parse_profile(
-            read_profile(path), str(path), num_nodes=num_nodes, devices_per_node=devices_per_node
-        )
+        data = read_profile(path)
+        if isinstance(data, Mapping) and "groups" in data:
+            return parse_groups_profile(data, path, num_nodes=num_nodes, devices_per_node=devices_per_node)
+        return parse_profile(data, str(path), num_nodes=num_nodes, devices_per_node=devices_per_node)
+
+    @staticmethod
+    def combine(groups: Any, *, name: str = "", inter_group: LinkSpec | Mapping[str, Any] | None = None,
+                devices_per_node: int | None = None) -> ClusterSpec:
+        """One cluster of node groups of different kinds: `groups` is a sequence of (profile, nodes) with a
+        profile name, a path or a ClusterSpec, e.g. [("dgx-a100-80gb", 4), ("dgx-h100-80gb", 2)];
+        inter_group the link between groups (a LinkSpec or a link mapping as in a profile; default: the
+        slowest of the groups' inter-node links). See cluster.types.heterogeneous."""
+        from autoplan.cluster.groups import combine
+
+        return combine(groups, name=name, inter_group=inter_group, devices_per_node=devices_per_node)
 
 
 def _scalar(value: Any) -> str:

@@ -6,6 +6,8 @@ model reads nothing else about hardware.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 
 
@@ -41,6 +43,16 @@ class DeviceSpec:
     # CPU profiles: the throughput a core delivers while more rank processes than cores share it, relative to
     # one rank per core (context switches, cache refills); used only when rescaling (cluster/cpu_share.py)
     cpu_oversubscribed_efficiency: float = 1.0
+    # streaming multiprocessors (0: not a GPU; matmuls then follow the matmul_half_size_flops curve). GEMM
+    # tiles and FlashAttention blocks are scheduled over them in waves (NVIDIA "Matrix Multiplication
+    # Background User's Guide", section 3.2 wave quantization)
+    num_sms: int = 0
+    # SMs one in-flight NCCL collective occupies (one thread block per channel): compute overlapped with it
+    # runs on the others (0: no contention modelled)
+    nccl_sms: int = 0
+    # GEMM kernels overlap a tile's epilogue (the C write) with the next tile's mainloop (persistent,
+    # warp-specialised kernels: CUTLASS 3 / cuBLAS on Hopper); False: the C traffic adds (one tile per SM)
+    gemm_epilogue_overlap: bool = False
 
     def peak(self, dtype: str = "bf16") -> float:
         table = dict(self.peak_flops)
@@ -59,12 +71,37 @@ class LinkSpec:
     allreduce_busbw_fraction: float  # nccl-tests bus bandwidth reached by large all-reduces / bw
     alltoall_bw_fraction: float  # algorithm bandwidth of large all-to-alls / bw
     p2p_bw_fraction: float  # send/recv bandwidth / bw
+    # NCCL's cost model for large messages (Simple protocol; src/graph/tuning.cc): a fixed latency per
+    # collective and a latency per ring step; latency_s above is the small-message (LL) per-step latency.
+    # 0 = use latency_s for every protocol (no protocol choice modelled)
+    simple_latency_s: float = 0.0
+    base_latency_s: float = 0.0
+    # NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws; 0 = no cap)
+    ll_max_bw_bytes_per_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class NodeGroup:
+    """Nodes of one kind inside a heterogeneous cluster: `spec` describes them as a cluster of their own
+    (its num_nodes is the group's node count). Ranks are numbered group after group, in order."""
+
+    name: str  # the profile it came from, e.g. "dgx-a100-80gb"
+    spec: ClusterSpec
+
+    @property
+    def num_devices(self) -> int:
+        return self.spec.num_devices
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ClusterSpec:
     """num_nodes nodes of devices_per_node devices each; intra_node links inside a node, inter_node
-    across nodes (per device: on DGX each GPU has its own NIC)."""
+    across nodes (per device: on DGX each GPU has its own NIC).
+
+    Heterogeneous (additive): `groups` lists node groups of different kinds (cluster.load.Cluster.combine
+    builds it), ranks numbered group after group, and `inter_group` is the link between two groups. The
+    top-level fields then describe a conservative stand-in for code that reads one device (see
+    heterogeneous()); the cost model prices each pipeline rank on its own group (cost/hetero.py)."""
 
     name: str
     device: DeviceSpec
@@ -75,6 +112,8 @@ class ClusterSpec:
     dtype: str = "bf16"  # training compute dtype the planner assumes
     source: str = ""  # the file it came from
     notes: tuple[str, ...] = field(default_factory=tuple)
+    groups: tuple[NodeGroup, ...] = ()
+    inter_group: LinkSpec | None = None
 
     def __post_init__(self) -> None:
         for name in ("devices_per_node", "num_nodes"):
@@ -89,3 +128,56 @@ class ClusterSpec:
     @property
     def peak_flops(self) -> float:
         return self.device.peak(self.dtype)
+
+    @property
+    def total_peak_flops(self) -> float:
+        """Peak FLOP/s of all devices together (each group's own device when heterogeneous)."""
+        if self.groups:
+            return sum(g.num_devices * g.spec.peak_flops for g in self.groups)
+        return self.num_devices * self.peak_flops
+
+    def group_of_rank(self, rank: int) -> int:
+        """Index in `groups` of the group holding global rank `rank` (0 for a homogeneous cluster)."""
+        if not 0 <= rank < self.num_devices:
+            raise ValueError(f"rank {rank} out of range for {self.num_devices} devices")
+        start = 0
+        for i, group in enumerate(self.groups):
+            start += group.num_devices
+            if rank < start:
+                return i
+        return 0
+
+
+def heterogeneous(groups: tuple[NodeGroup, ...], *, name: str = "", inter_group: LinkSpec | None = None,
+                  notes: tuple[str, ...] = ()) -> ClusterSpec:
+    """One cluster of several node groups. Every group must train in the same dtype.
+
+    inter_group defaults to the slowest of the groups' inter-node links: traffic between two groups leaves
+    one group's NICs and enters the other's, so the slower NIC bounds it (nccl-tests PERFORMANCE.md: a
+    transfer runs at its bottleneck link). The top-level fields are a stand-in for code that reads one
+    device (the search's screening, the CLI's checks): the device with the lowest peak FLOP/s, given the
+    smallest memory and the largest runtime reserve of any group; devices_per_node the gcd of the groups';
+    the slowest intra- and inter-node links. Estimates of a heterogeneous cluster never price a layer on
+    this stand-in (cost/hetero.py prices each pipeline rank on its own group)."""
+    if len(groups) < 2:
+        raise ValueError(f"a heterogeneous cluster needs at least two node groups, got {len(groups)}")
+    dtypes = {g.spec.dtype for g in groups}
+    if len(dtypes) > 1:
+        raise ValueError(f"node groups train in different dtypes {sorted(dtypes)}: give every group's profile "
+                         f"the same dtype")
+    specs = [g.spec for g in groups]
+    slow = min(specs, key=lambda c: c.peak_flops)
+    device = dataclasses.replace(
+        slow.device, name=f"{slow.device.name} (slowest of {len(groups)} groups)",
+        mem_bytes=min(c.device.mem_bytes for c in specs),
+        runtime_reserve_bytes=max(c.device.runtime_reserve_bytes for c in specs))
+    per_node = math.gcd(*(c.devices_per_node for c in specs))
+    total = sum(c.num_devices for c in specs)
+    inter_group = inter_group or min((c.inter_node for c in specs), key=lambda link: link.bw_bytes_per_s)
+    return ClusterSpec(
+        name=name or "+".join(f"{g.name}:{g.spec.num_nodes}" for g in groups), device=device,
+        devices_per_node=per_node, num_nodes=total // per_node,
+        intra_node=min((c.intra_node for c in specs), key=lambda link: link.bw_bytes_per_s),
+        inter_node=min([c.inter_node for c in specs] + [inter_group], key=lambda link: link.bw_bytes_per_s),
+        dtype=specs[0].dtype, source=", ".join(dict.fromkeys(c.source for c in specs if c.source)),
+        notes=tuple(notes), groups=tuple(groups), inter_group=inter_group)

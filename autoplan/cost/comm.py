@@ -59,49 +59,73 @@ def _ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tupl
     return bw, inter.latency_s
 
 
-def _ring_steps_s(n: int, steps_per_rank: int, nbytes: float, bw: float, alpha: float) -> float:
-    """steps_per_rank * [(n - 1) alpha + (n - 1)/n * S / BW]: ring reduce-scatter or all-gather is one
-    such pass (S = full output size), all-reduce two (Thakur et al. 2005; nccl-tests PERFORMANCE.md)."""
-    return steps_per_rank * ((n - 1) * alpha + (n - 1) / n * nbytes / bw)
+# NCCL's protocols (src/graph/tuning.cc ncclTopoTuneModel): LL moves 8-byte words with a flag each, half
+# the link's bandwidth ("busBw * .5", capped at llMaxBw: LinkSpec.ll_max_bw_bytes_per_s), at the lowest
+# latency per step; Simple moves full chunks at the full bus bandwidth with a longer latency per step.
+# NCCL picks the faster one per call.
+_PROTOCOL_BW = {"ll": 0.5, "simple": 1.0}
+
+
+def _ring_steps_s(group: GroupPlacement, passes: int, nbytes: float, bw: float, cluster: ClusterSpec) -> float:
+    """`passes` ring passes (reduce-scatter or all-gather: 1, all-reduce: 2) over the group: each pass is
+    n - 1 steps moving (n - 1)/n of S (Thakur et al. 2005; nccl-tests PERFORMANCE.md), of which
+    nodes - 1 cross the network. NCCL's latency model (tuning.cc): base + intra steps x intra latency +
+    inter steps x inter latency, for the cheaper of LL and Simple; a link without Simple latencies gives
+    every step its latency_s (one protocol)."""
+    n = group.size
+    inter_steps = passes * (group.num_nodes - 1)
+    intra_steps = passes * (n - 1) - inter_steps
+    volume = passes * (n - 1) / n * nbytes
+    intra, inter = cluster.intra_node, cluster.inter_node
+    if not intra.simple_latency_s:  # one protocol: every step at the slowest link's latency (alpha-beta)
+        alpha = inter.latency_s if group.crosses_nodes else intra.latency_s
+        return passes * (n - 1) * alpha + volume / bw
+    best = float("inf")
+    link = inter if group.crosses_nodes else intra
+    for proto, share in _PROTOCOL_BW.items():
+        lat_intra = intra.latency_s if proto == "ll" else intra.simple_latency_s
+        lat_inter = inter.latency_s if proto == "ll" else (inter.simple_latency_s or inter.latency_s)
+        base = max(intra.base_latency_s, inter.base_latency_s if group.crosses_nodes else 0.0)
+        proto_bw = bw * share
+        if proto == "ll" and link.ll_max_bw_bytes_per_s:
+            proto_bw = min(proto_bw, link.ll_max_bw_bytes_per_s)
+        t = base + intra_steps * lat_intra + inter_steps * lat_inter + volume / proto_bw
+        best = min(best, t)
+    return best
 
 
 def all_reduce_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
     """All-reduce of `nbytes` over the group: the cheapest of what NCCL may pick.
 
-    - ring: 2 (n - 1) alpha + 2 (n - 1)/n * S / BW (BW the ring bottleneck, see _ring_bw);
-    - hierarchical when the group spans nodes with several members per node: reduce-scatter inside
-      the node (n_l = per_node ranks), all-reduce of S / n_l across the nodes (one rank per node and
-      NIC), all-gather inside the node;
-    - tree (NCCL's double binary tree across nodes): 2 log2(nodes) alpha_inter + 2 S / BW_nic; its
-      bandwidth term never beats the ring's, so it wins only for small (latency-bound) messages.
-    Zero for a group of one."""
+    - ring: two passes, 2 (n - 1)/n * S / BW plus NCCL's latency (BW the ring bottleneck, _ring_bw);
+    - tree (NCCL's double binary tree across nodes): 2 log2(nodes) inter-node latencies + 2 S / BW_nic;
+      its bandwidth term never beats the ring's (tuning.cc converts tree bus bandwidth to algorithm
+      bandwidth at half), so it wins only for small (latency-bound) messages.
+    NCCL has no reduce-scatter / all-reduce / all-gather decomposition across nodes (its other
+    algorithms, CollNet and NVLS, need switch support), so none is modelled. Zero for a group of one."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw, alpha = _ring_bw(group, cluster, "allreduce_busbw_fraction")
-    best = _ring_steps_s(n, 2, nbytes, bw, alpha)
+    bw, _ = _ring_bw(group, cluster, "allreduce_busbw_fraction")
+    best = _ring_steps_s(group, 2, nbytes, bw, cluster)
     if group.crosses_nodes:
         inter = cluster.inter_node
         nic_bw = group.per_node * inter.bw_bytes_per_s * inter.allreduce_busbw_fraction
-        best = min(best, 2 * math.ceil(math.log2(group.num_nodes)) * inter.latency_s + 2 * nbytes / nic_bw)
-        if group.per_node > 1:
-            local = GroupPlacement(size=group.per_node, num_nodes=1, per_node=group.per_node)
-            across = GroupPlacement(size=group.num_nodes, num_nodes=group.num_nodes, per_node=1)
-            hier = (2 * reduce_scatter_s(nbytes, local, cluster)
-                    + all_reduce_s(nbytes / group.per_node, across, cluster))
-            best = min(best, hier)
+        tree_lat = inter.simple_latency_s or inter.latency_s
+        best = min(best, cluster.intra_node.base_latency_s
+                   + 2 * math.ceil(math.log2(group.num_nodes)) * tree_lat + 2 * nbytes / nic_bw)
     return best
 
 
 def all_gather_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
-    """Ring all-gather producing `nbytes` (the full output) on every rank:
-    (n - 1) alpha + (n - 1)/n * S / BW, BW at the link's bus-bandwidth fraction (nccl-tests shows
+    """Ring all-gather producing `nbytes` (the full output) on every rank: one pass, (n - 1)/n * S / BW
+    plus NCCL's latency (_ring_steps_s), BW at the link's bus-bandwidth fraction (nccl-tests shows
     all-gather reaching about the all-reduce bus bandwidth)."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw, alpha = _ring_bw(group, cluster, "allreduce_busbw_fraction")
-    return _ring_steps_s(n, 1, nbytes, bw, alpha)
+    bw, _ = _ring_bw(group, cluster, "allreduce_busbw_fraction")
+    return _ring_steps_s(group, 1, nbytes, bw, cluster)
 
 
 def reduce_scatter_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
@@ -126,8 +150,10 @@ def all_to_all_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> 
 
 
 def p2p_s(nbytes: float, crosses_nodes: bool, cluster: ClusterSpec) -> float:
-    """Point-to-point send/recv: alpha + S / (BW * p2p_bw_fraction) on the link it crosses."""
+    """Point-to-point send/recv: base + alpha + S / (BW * p2p_bw_fraction) on the link it crosses (base: the
+    per-collective fixed cost of the profile's NCCL latency model)."""
     if nbytes <= 0:
         return 0.0
     link: LinkSpec = cluster.inter_node if crosses_nodes else cluster.intra_node
-    return link.latency_s + nbytes / (link.bw_bytes_per_s * link.p2p_bw_fraction)
+    base = max(cluster.intra_node.base_latency_s, link.base_latency_s)  # an NCCL kernel's fixed cost, as above
+    return base + link.latency_s + nbytes / (link.bw_bytes_per_s * link.p2p_bw_fraction)

@@ -1,5 +1,6 @@
-"""Compute time of one layer on one device: matmuls at a size-dependent efficiency, the attention
-core at the fused-kernel efficiency, elementwise ops as memory-bound traffic.
+"""Compute time of one layer on one device: matmuls by shape (cost/kernels.py), the attention core as
+the engine runs it (FlashAttention, or Megatron's unfused batched GEMMs), elementwise kernels as
+memory-bound traffic, and the host time to issue the layer's ops.
 
 Also the transformer-block shape the cost model reads off a Layer (BlockShape), shared with memory.py.
 """
@@ -9,8 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from autoplan.cluster.types import DeviceSpec
+from autoplan.cost.kernels import (
+    flash_efficiency,
+    gemm_pass_s,
+    matmul_efficiency,
+    memory_time_s,
+    unfused_attention_s,
+)
 from autoplan.graph.types import Layer, LayerRole
+from autoplan.plan.engine import Engine
+from autoplan.plan.layout import expert_tp_split
 from autoplan.plan.types import ParallelConfig, Recompute
+
+__all__ = ["BlockShape", "ComputeTimes", "block_shape", "gemm_pass_s", "layer_compute", "matmul_efficiency",
+           "matmul_time_s", "memory_time_s"]
 
 # Bytes of the gradient accumulator per weight element, read once and written once by each weight-gradient
 # pass: 4 (Megatron-LM's fp32 main_grad under --gradient-accumulation-fusion; PyTorch's 16-bit .grad plus
@@ -22,6 +35,21 @@ GRAD_ACCUMULATE_BYTES = 4
 # causal FLOPs as half the square (Dao 2023, arXiv 2307.08691, sections 3.1 and 4.1). Layer FLOPs keep
 # Megatron's full-square convention for MFU (Narayanan et al. 2021).
 FUSED_CAUSAL_FRACTION = 0.5
+# Eager (unfused) elementwise kernels re-read and re-write their tensors once per op. RMSNorm in eager
+# PyTorch (x.pow(2).mean(-1), rsqrt, x * rstd, * weight: torch.nn.RMSNorm's composite path) reads the
+# input 4 times and writes 3 against 1 + 1 for a fused kernel; SwiGLU (silu(a), then * b) reads 3 f and
+# writes 2 f against 2 f + f fused. LayerNorm (native kernel) and GELU are single kernels either way.
+EAGER_RMSNORM_TRAFFIC = 3.5
+EAGER_SWIGLU_TRAFFIC = 5.0 / 3.0
+# Rotary embeddings on Q and K (Su et al. 2021) in a Llama-style (SwiGLU) block: a fused kernel reads and
+# writes them once (Transformer Engine's fused RoPE, 2 + 2 bytes per element); the eager half-split form
+# (x * cos + rotate_half(x) * sin: cat of two slices, two multiplies, an add) reads about 10 and writes 8
+# bytes per element: 4.5 times the fused traffic.
+EAGER_ROPE_TRAFFIC = 4.5
+# FlashAttention's backward FLOPs over its forward's (Dao 2023, benchmark convention: 10 d vs 4 d per score).
+FA_BACKWARD_FLOPS = 2.5
+# Backward kernels issued per forward op (input and weight gradients: about two), for the host time.
+BACKWARD_OPS_PER_FORWARD_OP = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +71,15 @@ class BlockShape:
     def dense_mlps(self) -> int:
         """Dense MLPs of width f run on every token: 1 in a dense block, the shared experts in a MoE one."""
         return self.num_shared if self.num_experts else 1
+
+    @property
+    def dropout(self) -> bool:
+        """Whether the block trains with dropout (attention and hidden dropout masks): a GPT-style (GELU)
+        block as Megatron's GPT runs it (--attention-dropout 0.1 --hidden-dropout 0.1 by default,
+        megatron/arguments.py; Korthikanti et al. 2022 count the masks); a Llama-style (SwiGLU) block
+        trains without (Touvron et al. 2023; Dubey et al. 2024; Hugging Face LlamaConfig attention_dropout
+        0.0), as this model's other Llama-isms (RMSNorm, RoPE) are keyed on the SwiGLU MLP."""
+        return self.n_mlp == 2
 
     @property
     def qkv_out_width(self) -> int:
@@ -82,171 +119,253 @@ def block_shape(layer: Layer, graph_tokens: float) -> BlockShape | None:
                       top_k=layer.top_k, f_e=f_e, num_shared=layer.num_shared_experts)
 
 
-def matmul_efficiency(device: DeviceSpec, flops: float) -> float:
-    """Fraction of peak one matmul of `flops` FLOPs reaches: matmul_efficiency * f / (f + f_half), a
-    saturating curve through half the large-GEMM efficiency at f_half (profile field
-    matmul_half_size_flops): narrow matmuls of a TP split or a small microbatch do not fill the GPU."""
-    if flops <= 0:
-        return device.matmul_efficiency
-    return device.matmul_efficiency * flops / (flops + device.matmul_half_size_flops)
-
-
 def matmul_time_s(device: DeviceSpec, peak_flops: float, total_flops: float, per_matmul_flops: float) -> float:
-    """Time of `total_flops` spent in matmuls of `per_matmul_flops` each."""
+    """Time of `total_flops` spent in matmuls of `per_matmul_flops` each (a layer without known shapes)."""
     if total_flops <= 0:
         return 0.0
     return total_flops / (peak_flops * matmul_efficiency(device, per_matmul_flops))
 
 
-def gemm_pass_s(device: DeviceSpec, peak_flops: float, m: float, k: float, n: float, count: float,
-                dtype_bytes: int, *, out_bytes: float | None = None) -> float:
-    """Roofline time of `count` GEMMs [m x k] @ [k x n]: max(FLOPs / (peak * matmul_efficiency(size)),
-    bytes / (HBM bw * mem_bw_efficiency)) (Williams et al., "Roofline", CACM 2009; NVIDIA "Matrix
-    Multiplication Background User's Guide": arithmetic intensity 2 m n k / (bytes of A, B and C)).
-    Bytes: read A (m k) and B (k n), write C (m n) in the training dtype, or `out_bytes` per C element
-    when C is accumulated into (a weight gradient). A GEMM with few rows m (few tokens on this device:
-    a small microbatch split over cp) reads its whole weight for little work and turns memory-bound."""
-    if m <= 0 or k <= 0 or n <= 0 or count <= 0:
-        return 0.0
-    flops = 2.0 * m * k * n
-    c_bytes = dtype_bytes if out_bytes is None else out_bytes
-    nbytes = (m * k + k * n) * dtype_bytes + m * n * c_bytes
-    return count * max(flops / (peak_flops * matmul_efficiency(device, flops)), memory_time_s(device, nbytes))
-
-
-def memory_time_s(device: DeviceSpec, nbytes: float) -> float:
-    """Memory-bound kernel: bytes / (HBM bandwidth * mem_bw_efficiency)."""
-    return max(nbytes, 0.0) / (device.mem_bw_bytes_per_s * device.mem_bw_efficiency)
-
-
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ComputeTimes:
+    """Device time (kernels) and host time (issuing them) of one layer, one microbatch."""
+
     fwd_s: float
     bwd_s: float
     bwd_weight_s: float
     recompute_s: float
     attention_fwd_s: float  # attention core (+ its score traffic) forward: what CP overlaps with
+    gemm_fwd_s: float = 0.0  # the block's weight GEMMs in forward: what TP comm overlap hides behind
+    gemm_bwd_s: float = 0.0  # ... and in backward
+    host_fwd_s: float = 0.0  # host time to issue the forward's ops
+    host_bwd_s: float = 0.0  # ... and the backward's
+    host_rec_s: float = 0.0  # ... and a fully recomputed forward's (the block's forward ops again)
+    # weight-gradient GEMMs of the column-parallel linears whose input gradient is tp-reduced (QKV; the
+    # MLP's input projections): what an asynchronous backward TP collective overlaps (Engine.tp_bwd_overlap)
+    wgrad_column_s: tuple[float, ...] = ()
+
+
+def expert_divisor(config: ParallelConfig, engine: Engine | None = None) -> int:
+    """What a device's routed-expert work and activations per token of its dense replica are divided by:
+    tp when folded (each tp rank routes tokens / tp, gathered etp-fold into 1/etp of each expert), else the
+    experts' own tp split (plan.layout.expert_tp_split: tp under an engine that splits unfolded experts
+    over tp, 1 under autoplan's executor, which runs them whole on every tp rank)."""
+    if config.folded:
+        return config.tp
+    return expert_tp_split(config, unfolded_over_tp=(engine or Engine()).tp_splits_unfolded_experts)
 
 
 def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, config: ParallelConfig,
-                            dtype_bytes: int, scores_materialised: bool) -> tuple[float, float]:
+                            dtype_bytes: int, scores_materialised: bool, *,
+                            fused: bool = True, expert_div: int | None = None) -> tuple[float, float]:
     """Forward memory traffic of a block's elementwise kernels, (total, attention-score part), bytes,
-    counting each fused kernel's reads + writes (the kernels of Megatron-LM; Korthikanti et al. 2022
+    counting each kernel's reads + writes (the fused kernels of Megatron-LM; Korthikanti et al. 2022
     section 4.1 lists the same tensors):
-    - 2 norms: read h, write h each; 2 bias-dropout-residual adds: read 2h, write h, 1-byte mask h;
-      replicated over tp ranks without SP, split with SP;
+    - 2 norms: read h, write h each; 2 bias-dropout-residual adds: read 2h, write h, 1-byte mask h (no
+      mask in a block without dropout, BlockShape.dropout); replicated over tp ranks without SP, split
+      with SP;
     - MLP activation: n_mlp * f elements (GELU: read f, write f; SwiGLU: read 2f, write f), split
       over tp;
     - MoE: permute + unpermute copies of top_k * h per token (read and write), and the activation
-      of the top_k routed experts (n_mlp * f_e each) in place of the dense MLP's (shared experts keep
-      theirs);
-    - unfused attention scores (when materialised), a s per token split over tp: the Q K^T batched
-      matmul writes them, the fused scale-mask-softmax reads and writes them, dropout reads and writes
-      them plus a 1-byte mask, the scores x V matmul reads them: 6 accesses + 1 byte."""
+      of the top_k routed experts (n_mlp * f_e each, over `expert_div`: expert_divisor, tp by default)
+      in place of the dense MLP's (shared experts keep theirs);
+    - unfused attention scores (when materialised), a s per token split over tp: the fused
+      scale-mask-softmax reads and writes them, dropout reads and writes them plus a 1-byte mask
+      (4 accesses + 1 byte; 2 accesses without dropout; the Q K^T GEMM's write and the P V GEMM's read
+      are in their rooflines).
+    - a SwiGLU (Llama-style) block's rotary embedding of Q and K: read and write h + h g / a per token.
+    `fused` False (eager kernels): a SwiGLU block's norms (RMSNorm), its SwiGLU and its RoPE move
+    EAGER_RMSNORM_TRAFFIC, EAGER_SWIGLU_TRAFFIC and EAGER_ROPE_TRAFFIC times their fused traffic."""
     t = config.tp
     h_split = t if config.sp else 1
-    elements = 10.0 * shape.h / h_split + shape.dense_mlps * shape.n_mlp * shape.f / t
+    rms = 1.0 if fused or shape.n_mlp != 3 else EAGER_RMSNORM_TRAFFIC
+    act = 1.0 if fused or shape.n_mlp != 3 else EAGER_SWIGLU_TRAFFIC
+    norms, residual = 4.0 * shape.h * rms, 6.0 * shape.h
+    elements = (norms + residual) / h_split + act * shape.dense_mlps * shape.n_mlp * shape.f / t
+    if shape.n_mlp == 3:  # Llama-style block: RoPE on Q and K (h + h g / a per token, split over tp)
+        rope = 1.0 if fused else EAGER_ROPE_TRAFFIC
+        elements += rope * 2.0 * (shape.h + shape.h * shape.g / shape.a) / t
     if shape.num_experts:
-        elements += 4.0 * shape.top_k * shape.h / h_split + shape.top_k * shape.n_mlp * shape.f_e / t
-    mask_bytes = 2.0 * shape.h / h_split
+        # folded: each tp rank permutes its own tokens / tp, and etp times as many rows after the gather
+        permute = (4.0 * shape.top_k * shape.h * config.expert_tp / t if config.folded
+                   else 4.0 * shape.top_k * shape.h / h_split)
+        elements += permute + act * shape.top_k * shape.n_mlp * shape.f_e / (expert_div or t)
+    mask_bytes = 2.0 * shape.h / h_split if shape.dropout else 0.0
     total = tokens * (elements * dtype_bytes + mask_bytes)
     scores = 0.0
-    if scores_materialised:
-        scores = tokens * shape.a * seq_len / t * (6.0 * dtype_bytes + 1.0)
+    if scores_materialised:  # softmax read + write; dropout read + write + its 1-byte mask
+        scores = tokens * shape.a * seq_len / t * ((4.0 * dtype_bytes + 1.0) if shape.dropout else 2.0 * dtype_bytes)
     return total + scores, scores
+
+
+def _block_gemm_groups(shape: BlockShape, tokens: float, total_mm: float, expert_mm: float,
+                       config: ParallelConfig, expert_div: int | None = None) -> list[tuple[float, float, float, float]]:
+    """(m, k, n, count) of each weight matmul of a block on this device, tp-split (Megatron column / row
+    parallel, Shoeybi et al. 2019): QKV [T x h] @ [h x (h + 2hg/a)/t], projection [T x h/t] @ [h/t x h],
+    each MLP matmul [T x h] @ [h x f/t]; routed experts as _expert_gemm says (unfolded: [T k ep / E x h]
+    @ [h x f_e / t], tokens per expert on a device). Counts carry the captured FLOPs exactly."""
+    t = config.tp
+    qkv = 2.0 * tokens * shape.h * shape.qkv_out_width / t
+    proj = 2.0 * tokens * shape.h * shape.h / t
+    dense_mm = max(total_mm - expert_mm, 0.0)
+    attn_proj = min(qkv + proj, dense_mm)
+    mlp = max(dense_mm - attn_proj, 0.0)
+    groups = [(tokens, shape.h, shape.qkv_out_width / t, attn_proj * qkv / (qkv + proj) / qkv if qkv else 0.0),
+              (tokens, shape.h / t, shape.h, attn_proj * proj / (qkv + proj) / proj if proj else 0.0),
+              (tokens, shape.h, shape.f / t, mlp / (2.0 * tokens * shape.h * shape.f / t))]
+    if expert_mm > 0:
+        per_expert_tokens, width = _expert_gemm(shape, config, tokens, expert_div or config.tp)
+        one = 2.0 * per_expert_tokens * shape.h * width
+        groups.append((per_expert_tokens, shape.h, width, expert_mm / one))
+    return groups
+
+
+def _attention_s(layer: Layer, shape: BlockShape | None, device: DeviceSpec, peak_flops: float,
+                 config: ParallelConfig, *, scale: float, seq_len: int, dtype_bytes: int,
+                 scores_materialised: bool, nonmatmul_ratio: float) -> tuple[float, float]:
+    """(forward, backward) of the attention core on this device (kernels.py): Megatron's unfused
+    batched GEMMs when the scores are materialised; else FlashAttention at its shape-dependent rate on
+    the captured FLOPs (half the square when causal, FUSED_CAUSAL_FRACTION), the backward
+    FA_BACKWARD_FLOPS times the forward (Dao 2023 counts the backward, recomputation of S included, as
+    2.5 x the forward's FLOPs, and quotes efficiencies on that count). Layers without a block shape:
+    attention FLOPs at attention_efficiency, backward 2 x forward."""
+    attn_flops = layer.fwd_attention_flops * scale / config.tp
+    if attn_flops <= 0:
+        return 0.0, 0.0
+    if shape is None:
+        causal = layer.causal_attention and not scores_materialised
+        fwd = attn_flops * (FUSED_CAUSAL_FRACTION if causal else 1.0) / (peak_flops * device.attention_efficiency)
+        return fwd, 2.0 * fwd
+    b = config.microbatch
+    batch_heads = b * shape.a / config.tp
+    s_q, d = seq_len / config.cp, shape.h / shape.a
+    if scores_materialised:
+        return unfused_attention_s(device, peak_flops, batch_heads=batch_heads, s_q=s_q, s_k=seq_len,
+                                   head_dim=d, dtype_bytes=dtype_bytes)
+    causal = layer.causal_attention
+    eff = flash_efficiency(device, batch_heads=batch_heads, s_q=s_q, s_k=seq_len, head_dim=d, causal=causal,
+                           nonmatmul_ratio=nonmatmul_ratio)
+    fwd = attn_flops * (FUSED_CAUSAL_FRACTION if causal else 1.0) / (peak_flops * eff)
+    return fwd, FA_BACKWARD_FLOPS * fwd
+
+
+def _op_selective_recompute_s(device: DeviceSpec, peak_flops: float, groups: list, shape: BlockShape,
+                              dtype_bytes: int) -> float:
+    """torchtitan's per-op selective checkpointing recomputes every second matmul (K, the output
+    projection, the second MLP input projection: memory.block_activation_bytes) and the elementwise ops:
+    the K share of the QKV GEMM, the projection GEMM and one of the n_mlp MLP GEMMs."""
+    qkv, proj, mlp = groups[0], groups[1], groups[2]
+    k_share = (shape.h * shape.g / shape.a) / shape.qkv_out_width
+    return (k_share * gemm_pass_s(device, peak_flops, *qkv, dtype_bytes) + gemm_pass_s(device, peak_flops, *proj, dtype_bytes)
+            + gemm_pass_s(device, peak_flops, *mlp, dtype_bytes) / max(shape.n_mlp, 1))
+
+
+def host_ops(layer: Layer, engine: Engine) -> tuple[float, float]:
+    """(forward, backward) host-issued operations of the layer: the engine's counts for a transformer
+    block when it has them (counted in that engine's code: dispatcher ops, Python module calls and custom
+    autograd Function calls, each a Python-level call of about op_overhead_s), else the captured graph's
+    nodes with BACKWARD_OPS_PER_FORWARD_OP backward ops per forward op; none under CUDA graphs (PyTorch
+    blog "Accelerating PyTorch with CUDA Graphs", 2021: one graph launch replays every kernel)."""
+    if engine.cuda_graphs:
+        return 0.0, 0.0
+    if layer.role is LayerRole.BLOCK and engine.block_forward_ops:
+        fwd = float(engine.block_forward_ops)
+        return fwd, float(engine.block_backward_ops) or BACKWARD_OPS_PER_FORWARD_OP * fwd
+    fwd = float(getattr(layer, "num_nodes", 0))
+    return fwd, BACKWARD_OPS_PER_FORWARD_OP * fwd
 
 
 def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: ParallelConfig,
                   recompute: Recompute, *, scale: float, seq_len: int, graph_tokens: float,
-                  dtype_bytes: int, scores_materialised: bool) -> ComputeTimes:
+                  dtype_bytes: int, scores_materialised: bool, engine: Engine | None = None,
+                  nonmatmul_ratio: float = 16.0) -> ComputeTimes:
     """Forward, backward, weight-gradient and recompute time of one microbatch on one device.
 
     `scale` = (config microbatch / captured microbatch) / cp: the layer's captured quantities times
-    `scale` are this device's share before the tp split. Matmul FLOPs are split over tp (Megatron
-    column/row parallel, Shoeybi et al. 2019); each group of matmuls runs at the efficiency of its own
-    size: QKV 2 T h (h + 2hg/a) / t, output projection 2 T h^2 / t, MLP 2 T h f / t each, routed
-    experts 2 (T k ep / E) h f_e / t (tokens per expert on a device; ep shards experts, not tokens).
-    Non-block layers run their matmul total as one matmul (the head's vocab-parallel projection).
-    Backward = 2 x forward for matmuls and attention (Narayanan et al. 2021: input + weight gradient),
-    the weight-gradient part equal to the forward matmul time; elementwise backward = 1.5 x the forward
-    traffic (it reads the output gradient and the saved input and writes one gradient: 3 accesses for
-    the forward's 2). Recompute: full re-runs the block's forward; selective re-runs the attention core
-    and its score kernels (Korthikanti et al. 2022, section 5).
+    `scale` are this device's share before the tp split. Block matmuls are timed per pass on the
+    roofline (kernels.gemm_pass_s) at their own shapes (_block_gemm_groups), with T tokens on this
+    device: forward Y = X W, input gradient dX = dY W^T and weight gradient dW = X^T dY accumulated into
+    the gradient buffer (read + write, 2 x GRAD_ACCUMULATE_BYTES per weight element: PyTorch
+    AccumulateGrad / Megatron's --gradient-accumulation-fusion into main_grad). Non-block layers run
+    their matmul total as one matmul. Attention: _attention_s. Elementwise: block_elementwise_bytes at
+    streaming bandwidth, backward 1.5 x forward (it reads the output gradient and the saved input and
+    writes one gradient: 3 accesses for the forward's 2). Recompute: full re-runs the block's forward;
+    selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5).
 
-    Attention core: fwd_attention_flops (the full s x s square) at attention_efficiency, times
-    FUSED_CAUSAL_FRACTION when the layer's attention is causal and fused (scores not materialised): the
-    kernel skips the masked half, and attention_efficiency counts only the unmasked half (Dao 2023).
-    Unfused attention (Megatron-LM 2021) computes the whole square and masks it: full cost.
-
-    Host-bound floor: kernels are issued asynchronously, so a phase takes max(device time, host time)
-    with host time = the layer's forward op count (Layer.num_nodes) x device.op_overhead_s, twice that
-    for the backward (about two ops per forward op: input and weight gradients), once more for a
-    fully recomputed forward; under tp > 1 each op also pays device.tp_op_overhead_s (DTensor
-    dispatch) and, when data parallel (dp * ep * cp > 1), each layer device.dp_layer_overhead_s (the
-    FSDP2 hooks). Small layers at small microbatches are bound by it. On a CPU (device.cpu_cores > 0) the
-    rank's own thread issues and runs each op, so host and compute times add instead.
-
-    Block matmuls are timed per pass on the roofline (gemm_pass_s), with T tokens on this device:
-    forward Y = X W ([T x k] @ [k x n]), input gradient dX = dY W^T ([T x n] @ [n x k]) and weight
-    gradient dW = X^T dY ([k x T] @ [T x n]) accumulated into the gradient buffer: read + write of the
-    accumulator, 2 x GRAD_ACCUMULATE_BYTES per weight element (PyTorch AccumulateGrad adds each
-    microbatch's 16-bit .grad into the buffer; Megatron-LM's --gradient-accumulation-fusion has the wgrad
-    GEMM read and write the fp32 main_grad directly: both move about 8 bytes per weight element). At
-    thousands of tokens per device every pass is compute-bound and this is FLOPs / rate as before; with
-    a few hundred (large cp, microbatch 1) the weight traffic sets the time."""
+    Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
+    fully recomputed block its forward's again, and the activation-checkpoint wrapper around it
+    engine.checkpoint_forward_ops / checkpoint_backward_ops more; kernels are asynchronous, so a phase
+    takes max(device, host) (layer.py combines them; on a CPU profile, device.cpu_cores > 0, the rank's
+    own thread issues and then runs each op, so they add). Under tp > 1 each op also pays
+    device.tp_op_overhead_s (DTensor sharding propagation in front of every op) and, when the layer is
+    data parallel (dp * ep * cp > 1), each pass device.dp_layer_overhead_s (FSDP2's pre/post hooks per
+    module), twice in the backward; both are measured on CPU profiles and 0 on the shipped GPU ones."""
+    engine = engine or Engine()
     t = config.tp
     tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
-    total_mm = layer.fwd_matmul_flops * scale / t
-    expert_mm = layer.fwd_expert_flops * scale / t
+    expert_div = expert_divisor(config, engine)
+    expert_mm = layer.fwd_expert_flops * scale / expert_div
+    total_mm = (layer.fwd_matmul_flops - layer.fwd_expert_flops) * scale / t + expert_mm
     shape = block_shape(layer, graph_tokens)
     if shape is None:
         mm_s = matmul_time_s(device, peak_flops, total_mm, total_mm)
         dx_s = dw_s = mm_s
         elementwise_bytes = _fallback_bytes(layer, dtype_bytes) * scale / (t if layer.role is LayerRole.HEAD else 1)
         score_bytes = 0.0
+        wgrad_column = ()
     else:
-        qkv = 2.0 * tokens * shape.h * shape.qkv_out_width / t
-        proj = 2.0 * tokens * shape.h * shape.h / t
-        dense_mm = max(total_mm - expert_mm, 0.0)
-        attn_proj = min(qkv + proj, dense_mm)
-        mlp = max(dense_mm - attn_proj, 0.0)
-        # (m, k, n, count) of each weight matmul, tp-split; counts carry the captured FLOPs exactly
-        groups = [(tokens, shape.h, shape.qkv_out_width / t, attn_proj * qkv / (qkv + proj) / qkv if qkv else 0.0),
-                  (tokens, shape.h / t, shape.h, attn_proj * proj / (qkv + proj) / proj if proj else 0.0),
-                  (tokens, shape.h, shape.f / t, mlp / (2.0 * tokens * shape.h * shape.f / t))]
-        if expert_mm > 0:
-            per_expert_tokens = tokens * shape.top_k * config.ep / max(shape.num_experts, 1)
-            one = 2.0 * per_expert_tokens * shape.h * shape.f_e / t
-            groups.append((per_expert_tokens, shape.h, shape.f_e / t, expert_mm / one))
+        groups = _block_gemm_groups(shape, tokens, total_mm, expert_mm, config, expert_div)
         acc = 2.0 * GRAD_ACCUMULATE_BYTES
         mm_s = sum(gemm_pass_s(device, peak_flops, m, k, n, c, dtype_bytes) for m, k, n, c in groups)
         dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
-        dw_s = sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups)
+        dws = [gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups]
+        dw_s = sum(dws)
+        wgrad_column = (dws[0], dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
         elementwise_bytes, score_bytes = block_elementwise_bytes(
-            shape, tokens, seq_len, config, dtype_bytes, scores_materialised)
-    attn_flops = layer.fwd_attention_flops * scale / t
-    if layer.causal_attention and not scores_materialised:
-        attn_flops *= FUSED_CAUSAL_FRACTION
-    attn_s = attn_flops / (peak_flops * device.attention_efficiency)
+            shape, tokens, seq_len, config, dtype_bytes, scores_materialised, fused=engine.fused_elementwise,
+            expert_div=expert_div)
+    attn_fwd, attn_bwd = _attention_s(layer, shape, device, peak_flops, config, scale=scale, seq_len=seq_len,
+                                      dtype_bytes=dtype_bytes, scores_materialised=scores_materialised,
+                                      nonmatmul_ratio=nonmatmul_ratio)
     elem_s = memory_time_s(device, elementwise_bytes)
-    fwd = mm_s + attn_s + elem_s
-    bwd = dx_s + dw_s + 2.0 * attn_s + 1.5 * elem_s
-    attention_fwd = attn_s + memory_time_s(device, score_bytes)
+    fwd = mm_s + attn_fwd + elem_s
+    bwd = dx_s + dw_s + attn_bwd + 1.5 * elem_s
+    attention_fwd = attn_fwd + memory_time_s(device, score_bytes)
     if layer.role is not LayerRole.BLOCK or recompute is Recompute.NONE:
         rec = 0.0
     elif recompute is Recompute.FULL:
         rec = fwd
+    elif engine.selective_recompute == "op" and shape is not None:
+        rec = _op_selective_recompute_s(device, peak_flops, groups, shape, dtype_bytes) + elem_s
     else:
         rec = attention_fwd
-    host = getattr(layer, "num_nodes", 0) * (device.op_overhead_s + (device.tp_op_overhead_s if t > 1 else 0.0))
-    host += device.dp_layer_overhead_s if config.num_replicas * config.cp > 1 else 0.0
-    if device.cpu_cores:  # a CPU rank's one thread issues an op, then computes it: host time adds up
-        return ComputeTimes(fwd_s=fwd + host, bwd_s=bwd + 2.0 * host, bwd_weight_s=dw_s,
-                            recompute_s=rec + host if recompute is Recompute.FULL and rec else rec,
-                            attention_fwd_s=attention_fwd)
-    return ComputeTimes(fwd_s=max(fwd, host), bwd_s=max(bwd, 2.0 * host), bwd_weight_s=dw_s,
-                        recompute_s=max(rec, host) if recompute is Recompute.FULL and rec else rec,
-                        attention_fwd_s=attention_fwd)
+    ops_f, ops_b = host_ops(layer, engine)
+    ops_r = ops_f if layer.role is LayerRole.BLOCK and recompute is Recompute.FULL else 0.0
+    if ops_r and not engine.cuda_graphs:  # the checkpoint wrapper's own ops around the block
+        ops_f, ops_b = ops_f + engine.checkpoint_forward_ops, ops_b + engine.checkpoint_backward_ops
+    # the executor's extra host work, measured on a CPU profile (0 elsewhere): DTensor dispatch per op of a
+    # tensor-parallel layer, FSDP2's per-module hooks per pass of a data-parallel layer (backward: twice)
+    op = device.op_overhead_s + (device.tp_op_overhead_s if t > 1 else 0.0)
+    hook = device.dp_layer_overhead_s if config.num_replicas * config.cp > 1 else 0.0
+    return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=dw_s, recompute_s=rec, attention_fwd_s=attention_fwd,
+                        gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op + hook,
+                        host_bwd_s=ops_b * op + 2.0 * hook, host_rec_s=ops_r * op + (hook if ops_r else 0.0),
+                        wgrad_column_s=wgrad_column)
+
+
+def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float, split: int) -> tuple[float, float]:
+    """(rows, output width) of one routed expert's GEMM on a device, balanced routing. Unfolded: the tp
+    group's tokens, experts sharded over ep and split `split` ways (expert_divisor: tp, or 1 when the
+    engine runs them whole on every tp rank): tokens top_k ep / E rows of width f_e / split.
+    Folded (etp, eep): each tp rank routes tokens / tp of them, an expert receives the copies of the
+    eep * etp ranks of its expert group, split over etp: (tokens / tp) etp eep top_k / E rows of width
+    f_e / etp (Megatron-Core's alltoall dispatcher with expert tensor parallelism). The FLOPs per device
+    are the same, tokens top_k 2 n_mlp h f_e / tp, in both."""
+    experts = max(shape.num_experts, 1)
+    if not config.folded:
+        return tokens * shape.top_k * config.ep / experts, shape.f_e / split
+    rows = tokens / config.tp * config.expert_tp * config.expert_ep * shape.top_k / experts
+    return rows, shape.f_e / config.expert_tp
 
 
 def _fallback_bytes(layer: Layer, dtype_bytes: int) -> float:

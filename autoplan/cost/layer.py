@@ -8,10 +8,13 @@ from functools import lru_cache
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
-from autoplan.cost.compute import BlockShape, block_shape, layer_compute
+from autoplan.cost.compute import BlockShape, ComputeTimes, block_shape, expert_divisor, layer_compute
+from autoplan.cost.experts import folded_expert_comm_s
 from autoplan.cost.memory import block_activation_bytes, layer_param_counts, other_activation_bytes
+from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.types import LayerCost
 from autoplan.graph.types import Layer, LayerRole
+from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Recompute
 
 DTYPE_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "tf32": 4, "fp32": 4}
@@ -25,21 +28,22 @@ def dtype_bytes(dtype: str) -> int:
 
 
 def estimate_layer(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute | str,
-                   *, seq_len: int, graph_microbatch: int = 1) -> LayerCost:
+                   *, seq_len: int, graph_microbatch: int = 1, engine: Engine | None = None) -> LayerCost:
     """Cost of `layer` for one microbatch of config.microbatch sequences of seq_len tokens on one device.
 
     `graph_microbatch` (an additive extension of the contract, default 1) is the microbatch the layer
     was captured at (LayerGraph.microbatch): its FLOPs and bytes scale by
     config.microbatch / graph_microbatch, and by 1 / cp (each CP rank holds s / cp of the tokens and
-    attends them to all s keys, so attention FLOPs split over cp too)."""
+    attends them to all s keys, so attention FLOPs split over cp too). `engine` (additive, default
+    autoplan's executor) says how the layer's kernels run (autoplan.plan.engine.Engine)."""
     if isinstance(recompute, str) and not isinstance(recompute, Recompute):
         recompute = Recompute(recompute)
-    return _layer_cost(layer, cluster, config, Recompute(recompute), seq_len, graph_microbatch)
+    return _layer_cost(layer, cluster, config, Recompute(recompute), seq_len, graph_microbatch, engine or Engine())
 
 
 @lru_cache(maxsize=65536)
 def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute,
-                seq_len: int, graph_microbatch: int) -> LayerCost:
+                seq_len: int, graph_microbatch: int, engine: Engine) -> LayerCost:
     device = cluster.device
     dbytes = dtype_bytes(cluster.dtype)
     graph_dbytes = layer.param_bytes // layer.num_params if layer.num_params and layer.param_bytes else dbytes
@@ -47,54 +51,110 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
     graph_tokens = float(graph_microbatch * seq_len)
     scale = config.microbatch / graph_microbatch / config.cp
     shape = block_shape(layer, graph_tokens)
-    materialised = shape is not None and _scores_materialised(layer, shape, graph_microbatch, seq_len)
+    materialised = shape is not None and (engine.attention == "unfused"
+                                          or _scores_materialised(layer, shape, graph_microbatch, seq_len))
     times = layer_compute(layer, device, cluster.peak_flops, config, recompute, scale=scale, seq_len=seq_len,
-                          graph_tokens=graph_tokens, dtype_bytes=dbytes, scores_materialised=materialised)
+                          graph_tokens=graph_tokens, dtype_bytes=dbytes, scores_materialised=materialised,
+                          engine=engine, nonmatmul_ratio=_nonmatmul_ratio(cluster))
     tokens = graph_tokens * scale
     if shape is not None:
         held, work = block_activation_bytes(shape, config.microbatch, seq_len, config, recompute, dbytes,
-                                            materialised)
+                                            materialised, selective=engine.selective_recompute,
+                                            expert_div=expert_divisor(config, engine), engine=engine)
         hidden_bytes = tokens * shape.h * dbytes
     else:
         held, work = other_activation_bytes(layer, scale, config, recompute, ratio)
         hidden_bytes = layer.output_bytes * scale * ratio
-    param_count, dense, expert = layer_param_counts(layer, shape, config)
-    tp_fwd, tp_total = _tp_comm_s(layer, shape, cluster, config, recompute, hidden_bytes, scale * ratio)
+    param_count, dense, expert = layer_param_counts(layer, shape, config, engine)
+    tp_fwd, tp_total = _tp_comm_s(layer, shape, cluster, config, recompute, hidden_bytes, scale * ratio,
+                                  times, engine)
     cp_fwd, cp_total = _cp_comm_s(shape, cluster, config, recompute, tokens * config.cp, dbytes,
                                   times.attention_fwd_s)
     ep_fwd, ep_total = _ep_comm_s(shape, cluster, config, recompute, tokens, dbytes)
+    fwd_s, bwd_s, rec_s = _with_host(times, recompute, layer, serial=bool(cluster.device.cpu_cores))
     return LayerCost(
-        fwd_s=times.fwd_s, bwd_s=times.bwd_s, bwd_weight_s=times.bwd_weight_s, recompute_s=times.recompute_s,
+        fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=times.bwd_weight_s, recompute_s=rec_s,
         tp_comm_s=tp_total, cp_comm_s=cp_total, ep_comm_s=ep_total,
         act_mem_bytes=int(held), param_count=param_count, grad_param_count=dense, expert_param_count=expert,
         output_bytes=int(hidden_bytes / config.tp), work_mem_bytes=int(work),
-        fwd_comm_s=tp_fwd + cp_fwd + ep_fwd,
+        fwd_comm_s=tp_fwd + cp_fwd + ep_fwd, host_s=_host_total(times, recompute, layer),
+        device_s=times.fwd_s + times.bwd_s + (times.recompute_s if layer.role is LayerRole.BLOCK else 0.0),
     )
 
 
+def _nonmatmul_ratio(cluster: ClusterSpec) -> float:
+    """Tensor-core peak over the FP32 (non-matmul) peak: what FlashAttention's softmax work runs at
+    (Dao 2023 section 3.1: 312 / 19.5 = 16 on A100); 16 when the profile has no fp32 peak."""
+    table = dict(cluster.device.peak_flops)
+    return cluster.peak_flops / table["fp32"] if table.get("fp32") else 16.0
+
+
+def _with_host(times: ComputeTimes, recompute: Recompute, layer: Layer,
+               serial: bool = False) -> tuple[float, float, float]:
+    """Forward, backward, recompute times: kernels are issued asynchronously, so each phase takes
+    max(device time, host time) (H. He, "Making Deep Learning Go Brrrr From First Principles", 2022:
+    an overhead-bound model runs at the host's pace), a fully recomputed forward issuing its forward's
+    ops again. Small layers at small microbatches are bound by it. `serial` (a CPU rank: the thread that
+    issues an op also computes it, torch's CPU kernels run synchronously): host and device times add."""
+    combine = (lambda a, b: a + b) if serial else max
+    rec = times.recompute_s
+    if recompute is Recompute.FULL and layer.role is LayerRole.BLOCK and rec:
+        rec = combine(rec, times.host_rec_s)
+    return combine(times.fwd_s, times.host_fwd_s), combine(times.bwd_s, times.host_bwd_s), rec
+
+
+def _host_total(times: ComputeTimes, recompute: Recompute, layer: Layer) -> float:
+    """All host time of the layer in one microbatch (forward, backward, a fully recomputed forward)."""
+    return times.host_fwd_s + times.host_rec_s + times.host_bwd_s
+
+
 def _scores_materialised(layer: Layer, shape: BlockShape, graph_microbatch: int, seq_len: int) -> bool:
-    """Whether the block stores its a x s x s attention scores (unfused softmax + dropout, as Megatron-LM
-    without FlashAttention): its captured attention activations hold at least one byte per score."""
+    """Whether the captured block stores its a x s x s attention scores itself (a hand-written softmax
+    attention): its captured attention activations hold at least one byte per score."""
     return layer.attention_activation_bytes >= graph_microbatch * shape.a * seq_len * seq_len
 
 
 def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, config: ParallelConfig,
-               recompute: Recompute, hidden_bytes: float, scale: float) -> tuple[float, float]:
+               recompute: Recompute, hidden_bytes: float, scale: float, times: ComputeTimes,
+               engine: Engine) -> tuple[float, float]:
     """Megatron tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022 for SP): a block does
     2 all-reduces of b s h in forward (after attention and after the MLP) and 2 in backward (before
     them); with SP each becomes an all-gather plus a reduce-scatter of the same bytes, costing the
     same on a ring. Full recompute re-runs the forward's 2. The vocab-parallel embedding all-reduces
     its output in forward; the head's column-parallel projection all-reduces its input gradient in
-    backward. Exposed in full: Megatron issues them on the compute stream, synchronously.
+    backward. Exposed in full when issued on the compute stream (Megatron-LM, DTensor TP).
+
+    engine.tp_comm_overlap with SP (Megatron-Core --tp-comm-overlap, Transformer Engine userbuffers:
+    the all-gather is split into chunks that overlap the GEMM consuming them, the reduce-scatter the GEMM
+    producing them; Megatron requires --sequence-parallel for it): each phase's TP communication hides
+    behind that phase's weight GEMMs, exposing max(0, comm - GEMMs), and the GEMMs run slower while the
+    communication occupies SMs (overlap.contention_fraction of the hidden part).
+
+    engine.tp_bwd_overlap (Megatron-LM from 2021-09, megatron/mpu/layers.py
+    LinearWithGradAccumulationAndAsyncCommunication.backward: `handle = torch.distributed.all_reduce(
+    grad_input, ..., async_op=True)` (with SP `_reduce_scatter_base(..., async_op=True)`), then the
+    weight-gradient GEMM, then handle.wait()): the two column-parallel linears' (QKV, the MLP's input
+    projection) backward collectives hide behind their own weight-gradient GEMMs, exposing max(0, comm -
+    wgrad) each, the hidden part slowing the GEMM by contention_fraction.
     Returns (forward part, total)."""
     if config.tp == 1:
         return 0.0, 0.0
     group = comm.group_placement(config, ("tp",), cluster.devices_per_node)
     if shape is not None:
-        count = 4 + (2 if recompute is Recompute.FULL else 0)
         one = (comm.all_gather_s(hidden_bytes, group, cluster) + comm.reduce_scatter_s(hidden_bytes, group, cluster)
                if config.sp else comm.all_reduce_s(hidden_bytes, group, cluster))
-        return 2 * one, count * one
+        fwd, bwd = 2 * one, 2 * one
+        rec = 2 * one if recompute is Recompute.FULL else 0.0
+        f = contention_fraction(cluster)
+        if engine.tp_comm_overlap and config.sp:
+            fwd, bwd, rec = (max(c - g, 0.0) + f * min(c, g) for c, g in
+                             ((fwd, times.gemm_fwd_s), (bwd, times.gemm_bwd_s), (rec, times.gemm_fwd_s)))
+        elif engine.tp_bwd_overlap and times.wgrad_column_s:
+            # each column-parallel linear's input-gradient all-reduce (reduce-scatter with SP) runs beside
+            # its weight-gradient GEMM; the row-parallel ones' (SP: all-gathers) stay on the compute stream
+            grad = comm.reduce_scatter_s(hidden_bytes, group, cluster) if config.sp else one
+            bwd = bwd - 2 * grad + sum(max(grad - w, 0.0) + f * min(grad, w) for w in times.wgrad_column_s)
+        return fwd, fwd + bwd + rec
     if layer.role is LayerRole.EMBEDDING:
         one = comm.all_reduce_s(hidden_bytes, group, cluster)
         return one, one
@@ -130,7 +190,9 @@ def _ep_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelC
     """Expert parallelism (GShard, Lepikhin et al. 2021; DeepSpeed-MoE): all-to-all dispatch and combine
     of tokens * top_k * h elements each, in forward and again in backward (4 all-to-alls; 6 with full
     recompute), over the ep group; tokens are split over tp ranks with SP. Exposed in full.
-    Returns (forward part, total)."""
+    Returns (forward part, total). Folded expert layouts: cost.experts.folded_expert_comm_s."""
+    if config.folded:
+        return folded_expert_comm_s(shape, cluster, config, recompute, tokens, dbytes)
     if config.ep == 1 or shape is None or not shape.num_experts:
         return 0.0, 0.0
     group = comm.group_placement(config, ("ep",), cluster.devices_per_node)

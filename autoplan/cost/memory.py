@@ -4,9 +4,15 @@ Adam and ZeRO (Rajbhandari et al. 2020), and the parameters each device holds af
 
 from __future__ import annotations
 
+from typing import Any
+
+from autoplan.cluster.types import ClusterSpec
 from autoplan.cost.compute import BlockShape
+from autoplan.cost.pipeline import in_flight_microbatches
 from autoplan.graph.types import Layer, LayerRole
-from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.plan.engine import Engine
+from autoplan.plan.layout import ZeroLayout, expert_tp_split, zero_layout
+from autoplan.plan.types import MemoryBreakdown, ParallelConfig, Recompute
 
 # Mixed-precision Adam, bytes per parameter (Rajbhandari et al., ZeRO, SC'20, section 3.1): 16-bit
 # weights (2) and gradients (2); fp32 master weights, momentum and variance (4 + 4 + 4 = 12). We keep
@@ -15,10 +21,16 @@ from autoplan.plan.types import ParallelConfig, Recompute
 WEIGHT_BYTES_PER_PARAM = 2
 GRAD_BYTES_PER_PARAM = 2
 OPTIMIZER_BYTES_PER_PARAM = 12
+# NCCL's staging buffers: NCCL_BUFFSIZE defaults to 4 MiB per channel and direction (NCCL environment
+# variables documentation, NCCL_BUFFSIZE); a ring communicator has a send and a receive connection per
+# channel, so 2 x channels x 4 MiB, the channels being the thread blocks of device.nccl_sms.
+NCCL_BUFFER_BYTES = 4 * 2**20
 
 
 def block_activation_bytes(shape: BlockShape, b: float, s: int, config: ParallelConfig,
-                           recompute: Recompute, dtype_bytes: int, scores_materialised: bool) -> tuple[float, float]:
+                           recompute: Recompute, dtype_bytes: int, scores_materialised: bool, *,
+                           selective: str = "attention", expert_div: int | None = None,
+                           engine: Engine | None = None) -> tuple[float, float]:
     """(held per microbatch, working extra during its backward) for one transformer block, bytes.
 
     Korthikanti et al. 2022, section 4.1 / Table 2, 16-bit activations, s tokens (s / cp per CP rank),
@@ -27,27 +39,66 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     same tensors for general shapes: replicated without SP are the two norms' inputs (4h), the QKV and
     MLP inputs (2h + 2h) and two 1-byte dropout masks (2h) = 10h; split over t are Q, K, V
     (2h + 4hg/a), the projection input (2h), the MLP hidden (GELU 4f: 2 f in + 2 f out; SwiGLU 6f),
-    for MoE top_k copies of the expert input and hidden; the attention scores 5 a s per token (softmax
+    for MoE top_k copies of the expert input and hidden (over `expert_div`, compute.expert_divisor: tp
+    unless the engine runs unfolded experts whole on every tp rank); the attention scores 5 a s per token (softmax
     output 2, dropout mask 1, dropout output 2) only when the kernel materialises them
-    (FlashAttention does not). MHA with f = 4h gives 10h + 24h/t, as in the paper.
+    (FlashAttention does not). MHA with f = 4h gives 10h + 24h/t, as in the paper. A block without
+    dropout (BlockShape.dropout: Llama-style) has no masks: 8h replicated, 2 a s of scores.
     Selective recompute drops the 5 a s / h term; full keeps only the block input 2 s b h (/t with SP)
-    and re-materialises one block's activations during its backward (the working extra)."""
+    and re-materialises one block's activations during its backward (the working extra).
+    `selective` 'op' is torchtitan's per-op selective checkpointing instead (torchtitan
+    parallelisms/parallelize_llama.py, 2024: no_recompute_list = mm, SDPA, reduce_scatter, "except every
+    second mm"): the block input (h), the outputs of the 1st, 3rd, 5th and 7th matmuls (Q h, V h g / a,
+    the first MLP projection f, the MLP output h) and the SDPA output (h) are kept; the rest is
+    recomputed in the backward (the working extra).
+
+    What the engine's autograd keeps (plan.engine.Engine; default autoplan's executor):
+    - sp_saves_gathered_input: with SP the QKV and MLP inputs (2h + 2h) are kept all-gathered, over
+      the whole sequence (DTensor's ColwiseParallel under PrepareModuleInput saves the gathered input)
+      instead of the local shard that Megatron keeps and re-gathers in backward;
+    - attention_saves_repeated_kv: with grouped-query attention K and V are kept at the query heads'
+      width (4h instead of 4 h g / a: repeat_interleave / repeat_kv before the SDPA call, which saves
+      its arguments);
+    - cp_saves_gathered_kv: with cp > 1 the attention keeps the all-gathered K and V of the keys it
+      attends, on the busiest rank (cp rank 0, whose late chunk attends every key) the whole sequence:
+      b s tokens of K and V instead of the local b s / cp (held without recompute; re-gathered inside
+      the recomputed core under selective, and re-materialised under full: the working extra)."""
+    engine = engine or Engine()
     t, cp = config.tp, config.cp
     tokens = b * s / cp
     h_split = t if config.sp else 1
-    replicated = 10.0 * shape.h  # bytes per token at 16 bits, as the paper counts them
+    # bytes per token at 16 bits, as the paper counts them; without dropout (BlockShape.dropout) no masks:
+    # the two norm inputs (2h + 2h), the two dropout masks (h + h), the QKV and MLP inputs (2h + 2h)
+    sharded = 6.0 * shape.h if shape.dropout else 4.0 * shape.h
+    linear_inputs = 4.0 * shape.h
+    linear_split = 1 if engine.sp_saves_gathered_input else h_split
     hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f * shape.dense_mlps
-    split = 2.0 * shape.h + 4.0 * shape.h * shape.g / shape.a + 2.0 * shape.h + hidden
+    kv_heads = shape.a if engine.attention_saves_repeated_kv else shape.g
+    kv = 4.0 * shape.h * kv_heads / shape.a  # K and V
+    split = 2.0 * shape.h + 2.0 * shape.h + hidden
     if shape.num_experts and shape.top_k:
         e_hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f_e
-        split += shape.top_k * (2.0 * shape.h + e_hidden)
-    per_token = (replicated / h_split + split / t) * dtype_bytes / 2.0
-    scores = 5.0 * shape.a * s / t * dtype_bytes / 2.0 if scores_materialised else 0.0
-    full = tokens * (per_token + scores)
+        # folded (etp, eep): a rank holds its tokens / tp routed copies gathered etp-fold, each with
+        # 1/etp of the expert hidden: (tokens / t) top_k (2 h etp + e_hidden)
+        copies = 2.0 * shape.h * (config.expert_tp if config.folded else 1)
+        experts = shape.top_k * (copies + e_hidden) / (expert_div or t)  # compute.expert_divisor
+    else:
+        experts = 0.0
+    # per token at the training dtype; with SP the linear inputs are kept on every token of the sequence
+    per_token = (sharded / h_split + (split + kv) / t + experts) * dtype_bytes / 2.0
+    linear_bytes = tokens * linear_inputs / linear_split * dtype_bytes / 2.0
+    kv_bytes = kv / t * dtype_bytes / 2.0
+    gathered_kv = kv_bytes * (b * s - tokens) if cp > 1 and engine.cp_saves_gathered_kv else 0.0
+    score_bytes = 5.0 if shape.dropout else 2.0  # softmax output (+ dropout mask and output)
+    scores = score_bytes * shape.a * s / t * dtype_bytes / 2.0 if scores_materialised else 0.0
+    full = tokens * (per_token + scores) + linear_bytes + gathered_kv
     if recompute is Recompute.NONE:
         return full, 0.0
+    if recompute is Recompute.SELECTIVE and selective == "op":
+        kept = (2.0 * shape.h / h_split + (2.0 * shape.h + shape.h * shape.g / shape.a + shape.f) / t) * dtype_bytes
+        return min(tokens * kept, full), max(full - tokens * kept, 0.0)
     if recompute is Recompute.SELECTIVE:
-        return tokens * per_token, tokens * scores
+        return tokens * per_token + linear_bytes, tokens * scores + gathered_kv
     return tokens * 2.0 * shape.h / h_split * dtype_bytes / 2.0, full
 
 
@@ -69,14 +120,16 @@ def other_activation_bytes(layer: Layer, scale: float, config: ParallelConfig, r
     return min(kept, full), full
 
 
-def layer_param_counts(layer: Layer, shape: BlockShape | None, config: ParallelConfig) -> tuple[int, int, int]:
+def layer_param_counts(layer: Layer, shape: BlockShape | None, config: ParallelConfig,
+                       engine: Engine | None = None) -> tuple[int, int, int]:
     """(held, dense, expert) parameters on one device after the tp / ep split, before ZeRO.
 
     Megatron-style splits (Shoeybi et al. 2019): every weight matrix of a block is split over tp; the
     norms and the row-parallel output biases (6h for a GPT block: 2 LayerNorms with bias, 2 biases)
-    are replicated. Routed expert weights are split over ep and, like Megatron-core's default expert
-    tensor parallelism, over tp. Embedding and head are vocab-parallel (split over tp); other layers
-    (a final norm) are replicated."""
+    are replicated. Routed expert weights are split over ep and over plan.layout.expert_tp_split's ranks:
+    etp when folded; unfolded, tp when the engine splits them over tp (Megatron-Core's default expert
+    tensor parallelism), else none (autoplan's executor). Embedding and head are vocab-parallel (split
+    over tp); other layers (a final norm) are replicated."""
     t = config.tp
     expert = layer.expert_params if layer.num_experts else 0
     dense = max(layer.num_params - expert, 0)
@@ -87,23 +140,126 @@ def layer_param_counts(layer: Layer, shape: BlockShape | None, config: ParallelC
         dense_held = -(-dense // t)
     else:
         dense_held = dense
-    expert_held = -(-expert // (config.ep * t)) if expert else 0
+    split = expert_tp_split(config, unfolded_over_tp=(engine or Engine()).tp_splits_unfolded_experts)
+    expert_held = -(-expert // (config.expert_ep * split)) if expert else 0
     return dense_held + expert_held, dense_held, expert_held
 
 
-def model_state_bytes(dense_params: float, expert_params: float, config: ParallelConfig) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer states) bytes for the parameters a device holds.
+def state_bytes_per_param(dtype: str, engine: Engine | None = None) -> tuple[float, float, float]:
+    """(weight, gradient, optimizer) bytes per parameter under mixed-precision Adam (Rajbhandari et al.
+    2020, section 3.1): 16-bit weights and gradients, fp32 master weights + momentum + variance (12).
+    fp8 recipes keep 16-bit weights (Transformer Engine casts per GEMM); fp32 / tf32 training keeps fp32
+    weights and gradients and Adam's two fp32 moments only (the weights are the master copy: 8). An
+    engine with main_grads_fp32 accumulates bf16 / fp8 training's gradients in an fp32 buffer (Megatron's
+    main_grad: 4 bytes)."""
+    if dtype in ("fp32", "tf32"):
+        return 4.0, 4.0, 8.0
+    grad = 4.0 if engine is not None and engine.main_grads_fp32 and dtype in ("bf16", "fp8") else GRAD_BYTES_PER_PARAM
+    return float(WEIGHT_BYTES_PER_PARAM), float(grad), float(OPTIMIZER_BYTES_PER_PARAM)
 
-    ZeRO stage z (Rajbhandari et al. 2020): z >= 1 divides the 12 optimizer bytes by the data-parallel
-    degree, z >= 2 also the gradients, z = 3 also the weights. Dense parameters are replicated over
-    dp * ep * cp ranks, expert parameters over dp * cp, and ZeRO shards each over its own group."""
+
+def model_state_bytes(dense_params: float, expert_params: float, config: ParallelConfig, *,
+                      layout: ZeroLayout | None = None, dtype: str = "bf16",
+                      engine: Engine | None = None) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer states) bytes for the parameters a device holds, at the step's peak.
+
+    What is sharded comes from the ZeRO layout of the engine that runs the plan (plan.layout.zero_layout;
+    default: its layout for config with the engine's FSDP behaviour): sharded states are divided by the
+    data-parallel degree, dense parameters over dp * ep * cp, expert parameters over dp * cp
+    (Rajbhandari et al. 2020: ZeRO-1 the optimizer, ZeRO-2 also the gradients, ZeRO-3 also the weights)."""
+    engine = engine or Engine()
+    if layout is None:
+        layout = zero_layout(config, 1, zero3=engine.zero3,
+                             pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
     d_dense = config.dp * config.ep * config.cp
-    d_expert = config.dp * config.cp
+    d_expert = config.expert_dp  # dp * cp unfolded (MoE folding: plan.types.ParallelConfig.expert_dp)
+    w, g, o = state_bytes_per_param(dtype, engine)
 
-    def shard(stage: int) -> float:
-        if config.zero >= stage:
+    def held(sharded: bool) -> float:
+        if sharded:
             return dense_params / d_dense + expert_params / d_expert
         return dense_params + expert_params
 
-    return (WEIGHT_BYTES_PER_PARAM * shard(3), GRAD_BYTES_PER_PARAM * shard(2),
-            OPTIMIZER_BYTES_PER_PARAM * shard(1))
+    return w * held(layout.shards_weights), g * held(layout.shards_gradients), o * held(layout.shards_optimizer)
+
+
+def nccl_buffer_bytes(config: ParallelConfig, cluster: ClusterSpec) -> float:
+    """NCCL buffers of the communicators a rank belongs to (NCCL_BUFFER_BYTES each way per channel):
+    one per mesh axis of size > 1 (tp, cp, ep, pp) and the data-parallel ones (dense over dp * ep * cp,
+    experts over their data-parallel group, ParallelConfig.expert_dp, when ep > 1 or folded). Zero on a profile without NCCL channels (a CPU profile)."""
+    channels = cluster.device.nccl_sms
+    if channels <= 0:
+        return 0.0
+    sizes = [config.tp, config.cp, config.ep, config.pp, config.dp * config.ep * config.cp]
+    if config.ep > 1 or config.folded:
+        sizes.append(config.expert_dp)
+    return sum(1 for n in sizes if n > 1) * 2.0 * channels * NCCL_BUFFER_BYTES
+
+
+def zero3_working_bytes(rank: Any, layout: ZeroLayout, engine: Engine, dtype: str, wire_bytes: float,
+                        deepspeed: bool) -> float:
+    """Gathered weights and gradient buffers ZeRO-3 holds beyond the shards, at the backward's peak.
+
+    FSDP2 (torch.distributed.fsdp fully_shard, _fsdp_collectives.py): foreach_all_gather writes each
+    block's unsharded parameters into an all-gather output of world x shard elements; the computing block
+    and the prefetched one are unsharded at once (2 blocks in the training dtype); foreach_reduce copies a
+    block's unsharded gradients (training dtype) into a reduce-scatter input in the reduce dtype.
+    DeepSpeed stage 3: the gathered parameter and torch's flattened all_gather output (2 x the largest
+    parameter) plus the prefetched one, and the gradient bucket (reduce_bucket_size elements) with its
+    flat copy (buffered_reduce_fallback), in the training dtype."""
+    w, _, _ = state_bytes_per_param(dtype, engine)
+    if deepspeed:
+        return 3.0 * rank.max_param_numel * w + 2.0 * engine.zero3_reduce_bucket_numel * w
+    if not layout.shards_weights:
+        return 0.0
+    return rank.max_layer_params * (2.0 * w + w + (wire_bytes if wire_bytes != w else 0.0))
+
+
+def rank_memory(rank: Any, index: int, cluster: ClusterSpec, config: ParallelConfig, m: int, *,
+                layout: ZeroLayout, engine: Engine, groups: Any, deepspeed: bool) -> MemoryBreakdown:
+    """Peak bytes on pipeline rank `index`: model states (model_state_bytes under the engine's ZeRO
+    layout), ZeRO-3's working set (zero3_working_bytes), activations held for in-flight microbatches
+    (pipeline.in_flight_microbatches) plus one layer's backward working set (the re-materialised
+    activations under recompute), NCCL's buffers (nccl_buffer_bytes) and the profile's runtime reserve
+    (CUDA context, library workspaces, allocator fragmentation)."""
+    from autoplan.cost.dataparallel import grad_wire_bytes
+
+    weights, grads, optimizer = model_state_bytes(rank.dense_params, rank.expert_params, config, layout=layout,
+                                                  dtype=cluster.dtype, engine=engine)
+    wire = grad_wire_bytes(cluster.dtype, engine)
+    weights += zero3_working_bytes(rank, layout, engine, cluster.dtype, wire, deepspeed)
+    in_flight = in_flight_microbatches(config.schedule, config.pp, config.virtual_stages, m, index)
+    acts = rank.act_bytes * in_flight + rank.work_bytes
+    reserve = cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster)
+    return MemoryBreakdown(weights=int(weights), gradients=int(grads), optimizer=int(optimizer),
+                           activations=int(acts), reserve=int(reserve))
+
+
+def layer_state_bytes(cost: Any, config: ParallelConfig, *, dtype: str, engine: Engine | None = None) -> float:
+    """Weights + gradients + optimizer states of one layer's parameters on a device (model_state_bytes
+    under the engine's ZeRO layout): the per-layer term the stage split and per-layer recompute solve
+    with (search/refine.py)."""
+    return sum(model_state_bytes(cost.grad_param_count, cost.expert_param_count, config, dtype=dtype, engine=engine))
+
+
+def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_layer_params: float,
+                       max_param_numel: float, engine: Engine | None = None) -> float:
+    """What every rank holds beyond its layers' states and activations: the runtime reserve, NCCL's
+    buffers and ZeRO-3's working set (rank_memory's other terms, for a rank whose largest layer has
+    max_layer_params parameters and largest weight max_param_numel)."""
+    from autoplan.cost.dataparallel import grad_wire_bytes
+
+    engine = engine or Engine()
+    layout = zero_layout(config, 1, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
+    deepspeed = config.zero == 3 and engine.zero3 == "deepspeed" and config.dp * config.ep * config.cp > 1
+    rank = _Largest(max_layer_params=max_layer_params, max_param_numel=max_param_numel)
+    working = zero3_working_bytes(rank, layout, engine, cluster.dtype, grad_wire_bytes(cluster.dtype, engine), deepspeed)
+    return cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster) + working
+
+
+class _Largest:
+    """The two maxima zero3_working_bytes reads off a rank."""
+
+    def __init__(self, *, max_layer_params: float, max_param_numel: float) -> None:
+        self.max_layer_params = max_layer_params
+        self.max_param_numel = max_param_numel

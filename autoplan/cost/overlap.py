@@ -6,6 +6,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from autoplan.cluster.types import ClusterSpec
+
+
+def contention_fraction(cluster: ClusterSpec) -> float:
+    """Share of a device's compute lost while a collective runs beside it: NCCL's kernel holds
+    device.nccl_sms of the num_sms SMs (one thread block per channel), so overlapped kernels run on the
+    rest (the GEMM that filled all SMs in one wave spills into a second: NVIDIA developer forum,
+    "Compute-Communication Overlap Causes Severe GEMM Performance Degradation because of Tail Effect").
+    Zero without SM counts (a CPU profile)."""
+    device = cluster.device
+    if device.num_sms <= 0 or device.nccl_sms <= 0:
+        return 0.0
+    return min(device.nccl_sms / device.num_sms, 1.0)
+
+
+def hidden_penalty_s(hidden_comm_s: float, cluster: ClusterSpec) -> float:
+    """Extra compute time when `hidden_comm_s` of communication ran under compute: that compute lost
+    contention_fraction of its SMs for that long."""
+    return contention_fraction(cluster) * max(hidden_comm_s, 0.0)
+
 
 def overlapped_s(compute_s: Sequence[float], pre_s: Sequence[float], post_s: Sequence[float]) -> float:
     """Makespan of n layers on two streams (PyTorch FSDP2 / DDP; Li et al., VLDB 2020, section 3.2).

@@ -16,26 +16,9 @@ def check_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig
         raise ValueError(f"config uses pp*dp*ep*cp*tp = {config.num_devices} devices but cluster "
                          f"{cluster.name!r} has {cluster.num_devices}: make the product {cluster.num_devices}")
     m = config.num_microbatches(global_batch)
-    blocks = graph.blocks
-    for layer in blocks:
-        for what, value in (("attention heads", layer.num_heads), ("kv heads", layer.num_kv_heads),
-                            ("ffn hidden size", layer.ffn_hidden_size)):
-            if value and value % config.tp:
-                raise ValueError(f"tp={config.tp} does not divide the {what} ({value}) of {layer.name!r}: "
-                                 f"choose tp among the divisors of {value}")
-        if layer.num_experts and layer.num_experts % config.ep:
-            raise ValueError(f"ep={config.ep} does not divide the {layer.num_experts} experts of "
-                             f"{layer.name!r}: choose ep among the divisors of {layer.num_experts}")
-    if config.ep > 1 and not any(layer.num_experts for layer in graph.layers):
-        raise ValueError(f"ep={config.ep} on a dense model ({graph.model_name!r} has no experts): use ep=1")
-    if config.cp > 1 and graph.seq_len % (2 * config.cp):
-        # the load-balanced causal split cuts the sequence into 2*cp chunks (Megatron-core, Llama 3)
-        raise ValueError(f"cp={config.cp} needs seq_len divisible by 2*cp={2 * config.cp} (load-balanced "
-                         f"causal split), got seq_len={graph.seq_len}: choose cp with 2*cp dividing it")
-    num_stages = config.pp * config.virtual_stages
-    if num_stages > max(len(blocks), 1):
-        raise ValueError(f"pp*virtual_stages = {num_stages} pipeline stages but {graph.model_name!r} has "
-                         f"{len(blocks)} blocks: use at most {len(blocks)} stages")
+    errors = graph.divisibility_errors(config)  # the rules' one home: plan.layout.divisibility_errors
+    if errors:
+        raise ValueError(errors[0])
     return m
 
 

@@ -29,6 +29,10 @@ class LayerCost:
     work_mem_bytes: int = 0
     # extension (default 0): the part of tp_comm_s + cp_comm_s + ep_comm_s spent in the forward pass
     fwd_comm_s: float = 0.0
+    # extension (default 0): host time to issue the layer's ops in one microbatch (fwd, bwd, recompute),
+    # and the kernels' device time; fwd_s / bwd_s / recompute_s are already max(device, host) per phase
+    host_s: float = 0.0
+    device_s: float = 0.0
 
     @property
     def time_s(self) -> float:

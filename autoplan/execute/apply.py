@@ -27,6 +27,7 @@ from autoplan.execute.pipeline import (
 from autoplan.execute.recompute import apply_recompute
 from autoplan.execute.tensor_parallel import apply_tensor_parallel
 from autoplan.models import Transformer
+from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Plan, Recompute, Stage
 
 
@@ -50,9 +51,11 @@ def recompute_lookup(plan: Plan | ParallelConfig) -> Callable[[str], Recompute]:
 
 
 def apply_plan(model: Transformer, plan: Plan | ParallelConfig, meshes: SubMeshes, *,
-               device: torch.device) -> list[nn.Module]:
-    """This rank's parts of `model` (built on CPU from the seed), parallelised in place as the plan says."""
+               device: torch.device, num_microbatches: int = 1) -> list[nn.Module]:
+    """This rank's parts of `model` (built on CPU from the seed), parallelised in place as the plan says
+    (data parallelism as plan.layout.zero_layout says for `num_microbatches` per step)."""
     config = config_of(plan)
+    layout = zero_layout(config, num_microbatches)
     if config.pp > 1:
         stages = plan_stages(model, plan)
         parts = [extract_stage(model, stages[i], first=i == 0, last=i == len(stages) - 1)
@@ -62,10 +65,11 @@ def apply_plan(model: Transformer, plan: Plan | ParallelConfig, meshes: SubMeshe
     for part in parts:
         part.to(device)
         apply_tensor_parallel(part, tp_mesh=meshes.tp, sp=config.sp)
-        apply_experts(part, ep_mesh=meshes.ep)
+        apply_experts(part, ep_mesh=meshes.expert_shards, token_mesh=meshes.token_split,
+                      grad_scale=meshes.expert_dp.size() / meshes.dense_dp.size())
         apply_context_parallel(part, cp_mesh=meshes.cp)
         apply_recompute(part, recompute_for=recompute_lookup(plan))
-        apply_data_parallel(part, zero=config.zero, dense_mesh=meshes.dense_dp, expert_mesh=meshes.expert_dp,
-                            ep=meshes.ep.size())
+        apply_data_parallel(part, layout=layout, dense_mesh=meshes.dense_dp, expert_mesh=meshes.expert_dp,
+                            ep=meshes.expert_shards.size(), separate_experts=config.folded or None)
     return parts
 

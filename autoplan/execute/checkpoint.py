@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
@@ -23,32 +22,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
-_METADATA = ".metadata"  # written last by DCP's coordinator
+from autoplan.execute.checkpoint_dirs import _is_complete, _step_of, latest_checkpoint
+
 # Optimizer state keyed by parameter FQN ("state.layers.0.attn.wq.weight.exp_avg"), not by the position of
 # the parameter in one rank's optimizer, so it maps across plans and pipeline stages.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def _step_of(directory: Path) -> int | None:
-    match = _STEP_DIR.match(directory.name)
-    return int(match.group(1)) if match else None
-
-
-def _is_complete(directory: Path) -> bool:
-    return (directory / _METADATA).is_file()
-
-
-def latest_checkpoint(path: str | os.PathLike) -> Path | None:
-    """`path` itself if it is a complete checkpoint, else its complete `step-N` subdirectory with the highest
-    N, else None. Directories being written (`.step-N.tmp`) or removed (`.step-N.old`) never qualify."""
-    root = Path(path)
-    if _is_complete(root):
-        return root
-    if not root.is_dir():
-        return None
-    complete = [d for d in root.iterdir() if _step_of(d) is not None and _is_complete(d)]
-    return max(complete, key=_step_of, default=None)  # type: ignore[arg-type,return-value]
 
 
 def _pairs(model_parts: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] | torch.optim.Optimizer

@@ -128,6 +128,23 @@ def merge_blocks(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, 
             merged)
 
 
+def attend_block_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
+                      lse: torch.Tensor, delta: torch.Tensor, *, causal: bool
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in float32 of one key block's share of softmax attention whose final output over all
+    blocks had log-sum-exp `lse` [B, H, S] and delta = rowsum(grad_out * out) [B, H, S]: the scores are
+    recomputed, P = exp(q k^T / sqrt(d) - lse), dS = P (grad_out v^T - delta) (the FlashAttention backward,
+    Dao et al. 2022, algorithm 4; ring attention, Liu et al. 2023, runs it per block)."""
+    scale = q.shape[-1] ** -0.5
+    scores = (q.float() @ k.float().transpose(-2, -1)) * scale
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[2], 0, k.shape[2]).to(q.device), float("-inf"))
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    grad_scores = probs * (grad_out @ v.float().transpose(-2, -1) - delta.unsqueeze(-1))
+    return (grad_scores @ k.float()) * scale, (grad_scores.transpose(-2, -1) @ q.float()) * scale, \
+        probs.transpose(-2, -1) @ grad_out
+
+
 def _ring_shift(x: torch.Tensor, group: dist.ProcessGroup, direction: int) -> torch.Tensor:
     """Send x to the cp rank `direction` ahead, receive the one from `direction` behind (batch_isend_irecv)."""
     rank, size = dist.get_rank(group), dist.get_world_size(group)
@@ -139,17 +156,63 @@ def _ring_shift(x: torch.Tensor, group: dist.ProcessGroup, direction: int) -> to
     return received
 
 
-class _RingShift(torch.autograd.Function):
-    """Pass a block one step around the ring; the backward passes its gradient one step back."""
+def _repeat(x: torch.Tensor, kv_group: int) -> torch.Tensor:
+    """kv heads -> query heads (each kv head kv_group times in a row, as Attention repeats them)."""
+    return x.repeat_interleave(kv_group, dim=1) if kv_group > 1 else x
+
+
+def _fold(x: torch.Tensor, kv_group: int) -> torch.Tensor:
+    """The adjoint of _repeat: sum the gradients of each kv head's copies."""
+    return x.unflatten(1, (-1, kv_group)).sum(2) if kv_group > 1 else x
+
+
+def _ring_steps(rank: int, cp: int, c: int):
+    """(step, query slice, key slice) of each ring step: at step s the block of rank src = (r - s) mod cp is
+    here; when src < r both query chunks attend src's early chunk, else the late chunk attends all of src."""
+    for step in range(1, cp):
+        early = (rank - step) % cp < rank
+        yield step, slice(0, 2 * c) if early else slice(c, 2 * c), slice(0, c) if early else slice(0, 2 * c)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Zig-zag causal ring attention that keeps only q, the local kv-head K/V, the output and its log-sum-exp
+    for the backward (like FlashAttention: no score block is stored; the backward passes the K/V blocks
+    around the ring again, recomputes each block's scores, and sends each block's dK/dV accumulator on with
+    it until it is back home)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
-        ctx.group = group
-        return _ring_shift(x, group, +1)
+    def forward(ctx, q, k, v, group, rank: int, cp: int, kv_group: int):  # type: ignore[override]
+        c = _half_chunk(q.shape[2])
+        out, lse = attend_block(q, _repeat(k, kv_group), _repeat(v, kv_group), causal=True)
+        kv = torch.stack([k, v]).contiguous()
+        for _, qs, ks in _ring_steps(rank, cp, c):
+            kv = _ring_shift(kv, group, +1)
+            block = attend_block(q[:, :, qs], _repeat(kv[0][:, :, ks], kv_group), _repeat(kv[1][:, :, ks], kv_group),
+                                 causal=False)
+            out[:, :, qs], lse[:, :, qs] = merge_blocks(out[:, :, qs], lse[:, :, qs], *block)
+        result = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.group, ctx.rank, ctx.cp, ctx.kv_group = group, rank, cp, kv_group
+        return result
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        return _ring_shift(grad, ctx.group, -1), None
+    def backward(ctx, grad_out):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        g, c = ctx.kv_group, q.shape[2] // 2
+        grad_out = grad_out.float()
+        delta = (grad_out * out.float()).sum(-1)
+        dq, dk, dv = attend_block_grad(q, _repeat(k, g), _repeat(v, g), grad_out, lse, delta, causal=True)
+        home = torch.stack([_fold(dk, g), _fold(dv, g)])
+        kv, acc = torch.stack([k, v]).contiguous(), torch.zeros_like(home)
+        for _, qs, ks in _ring_steps(ctx.rank, ctx.cp, c):
+            kv, acc = _ring_shift(kv, ctx.group, +1), _ring_shift(acc, ctx.group, +1)
+            dq_s, dk_s, dv_s = attend_block_grad(q[:, :, qs], _repeat(kv[0][:, :, ks], g), _repeat(kv[1][:, :, ks], g),
+                                                 grad_out[:, :, qs], lse[:, :, qs], delta[:, :, qs], causal=False)
+            dq[:, :, qs] += dq_s
+            acc[:, :, :, ks] += torch.stack([_fold(dk_s, g), _fold(dv_s, g)])
+        if ctx.cp > 1:
+            home = home + _ring_shift(acc, ctx.group, +1)  # every other rank's share of this rank's dK/dV
+        return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None, None
 
 
 class RingAttentionCore(nn.Module):
@@ -160,31 +223,18 @@ class RingAttentionCore(nn.Module):
     it holds the block of rank src = (r - s) mod cp: when src < r both its query chunks attend src's early
     chunk (src's late chunk comes after them all); when src > r only its late chunk attends, both of src's
     chunks (all before it). Either way 2 c^2 scores per step: the same work on every rank, every block used.
-    Exact like the all-gather core, with P2P traffic instead of a collective; autograd keeps every block for
-    the backward, so the activation memory is that of the all-gather core (no memory saving here)."""
+    Exact like the all-gather core, with P2P traffic instead of a collective. The backward recomputes the
+    scores block by block (_RingAttention), so no score block is kept: the fused-attention memory the cost
+    model prices (no s x s scores held)."""
 
     def __init__(self, cp_mesh: DeviceMesh, kv_group: int = 1) -> None:
         super().__init__()
         self.cp_mesh, self.kv_group = cp_mesh, kv_group
 
-    def _repeat(self, x: torch.Tensor) -> torch.Tensor:
-        return x.repeat_interleave(self.kv_group, dim=1) if self.kv_group > 1 else x
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        group, rank, cp = self.cp_mesh.get_group(), self.cp_mesh.get_local_rank(), self.cp_mesh.size()
-        c = _half_chunk(q.shape[2])
-        out, lse = attend_block(q, k, v, causal=True)
-        kv = torch.stack([k[:, ::self.kv_group], v[:, ::self.kv_group]])
-        for step in range(1, cp):
-            kv = _RingShift.apply(kv, group)
-            k_src, v_src = self._repeat(kv[0]), self._repeat(kv[1])
-            if (rank - step) % cp < rank:  # src's early chunk, before both of this rank's chunks
-                out, lse = merge_blocks(out, lse, *attend_block(q, k_src[:, :, :c], v_src[:, :, :c], causal=False))
-            else:  # both of src's chunks, before this rank's late chunk only
-                late_out, late_lse = merge_blocks(out[:, :, c:], lse[:, :, c:],
-                                                  *attend_block(q[:, :, c:], k_src, v_src, causal=False))
-                out, lse = torch.cat([out[:, :, :c], late_out], dim=2), torch.cat([lse[:, :, :c], late_lse], dim=2)
-        return out.to(q.dtype)
+        g = self.kv_group  # attention passes K/V repeated; only every g-th head crosses the wire
+        return _RingAttention.apply(q, k[:, ::g], v[:, ::g], self.cp_mesh.get_group(),
+                                    self.cp_mesh.get_local_rank(), self.cp_mesh.size(), g)
 
     def extra_repr(self) -> str:
         return (f"cp={self.cp_mesh.size()}, rank={self.cp_mesh.get_local_rank()}, kv_group={self.kv_group}, "
@@ -245,4 +295,4 @@ def apply_context_parallel(model: nn.Module, *, cp_mesh: DeviceMesh | None, vari
 
 
 __all__ = ["CP_VARIANTS", "ContextParallelCore", "RingAttentionCore", "apply_context_parallel", "attend_block",
-           "causal_mask", "gather_sequence", "kv_group_of", "merge_blocks", "zigzag_positions"]
+           "attend_block_grad", "causal_mask", "gather_sequence", "kv_group_of", "merge_blocks", "zigzag_positions"]

@@ -75,12 +75,13 @@ def write_plan(plan_or_config: Plan | ParallelConfig, path: str | Path, *, globa
 
 
 def torchrun_command(worker_args: Sequence[str], *, nproc_per_node: int,
-                     launcher_args: Sequence[str] = ()) -> list[str]:
-    """torchrun (as `python -m torch.distributed.run`) around the worker; --standalone unless the
-    launcher arguments configure a multi-node rendezvous (--nnodes, --rdzv-endpoint, ...)."""
+                     launcher_args: Sequence[str] = (), module: str = "autoplan.execute.worker") -> list[str]:
+    """torchrun (as `python -m torch.distributed.run`) around the worker module (the training worker,
+    or autoplan.execute.serve's decode loop); --standalone unless the launcher arguments configure a
+    multi-node rendezvous (--nnodes, --rdzv-endpoint, ...)."""
     multi_node = any(a.startswith(("--nnodes", "--rdzv", "--master")) for a in launcher_args)
     cmd = [sys.executable, "-m", "torch.distributed.run", *([] if multi_node else ["--standalone"]),
-           f"--nproc-per-node={nproc_per_node}", *launcher_args, "-m", "autoplan.execute.worker"]
+           f"--nproc-per-node={nproc_per_node}", *launcher_args, "-m", module]
     return cmd + list(worker_args)
 
 
@@ -143,46 +144,105 @@ def _stopped_ranks(run_dir: str, errors: list[Mapping[str, Any]]) -> list[tuple[
     return sorted(out)
 
 
-def _check_rank_count(config: ParallelConfig, nproc_per_node: int | None, launcher_args: Sequence[str]) -> None:
-    multi_node = any(a.startswith("--nnodes") for a in launcher_args)
-    if nproc_per_node and not multi_node and nproc_per_node != config.num_devices:
-        raise ValueError(f"the plan needs pp*dp*ep*cp*tp = {config.num_devices} ranks but --nproc-per-node is "
-                         f"{nproc_per_node}: launch {config.num_devices} processes or change the degrees")
+def launcher_nnodes(launcher_args: Sequence[str]) -> int | None:
+    """--nnodes of the torchrun arguments (1 when absent; None when elastic, "MIN:MAX")."""
+    for i, arg in enumerate(launcher_args):
+        if arg.startswith("--nnodes"):
+            value = arg.split("=", 1)[1] if "=" in arg else (launcher_args[i + 1] if i + 1 < len(launcher_args) else "")
+            return int(value) if value.isdigit() else None
+    return 1
 
 
-def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: str, *, steps: int,
+_RESOLVED: dict[tuple[str, str | None, int], tuple[Any, Any]] = {}
+
+
+def resolve_model(model: Any, *, weights: str | Path | None = None, seq_len: int = 16) -> tuple[Any, Any]:
+    """(ModelSpec the ranks build from, the model on the meta device for the checks); names are resolved once.
+    `seq_len`: the run's, which a model without tokens is traced at (source.model_spec)."""
+    from autoplan.execute.source import model_spec
+
+    if not isinstance(model, str):
+        return model_spec(model, weights=str(weights) if weights else None, seq_len=seq_len)
+    key = (model, str(weights) if weights else None, seq_len)
+    if key not in _RESOLVED:
+        _RESOLVED[key] = model_spec(model, weights=key[1], seq_len=seq_len)
+    return _RESOLVED[key]
+
+
+def _ship_model(spec: Any, model: Any, run_dir: str, args: list[str]) -> Any:
+    """Write what the ranks need of a non-preset model into the run directory: the spec (with the skeleton of a
+    module given from Python) and, for a module with real weights and no weights file, its weights."""
+    import dataclasses
+
+    import torch
+    from torch import nn
+
+    from autoplan.execute.source import has_real_weights
+    from autoplan.execute.weights import save_weights
+
+    if isinstance(model, nn.Module) and spec.weights is None and has_real_weights(model):
+        path = os.path.join(run_dir, "weights.safetensors")
+        save_weights(model, path)
+        spec = dataclasses.replace(spec, weights=path)
+    spec_path = os.path.join(run_dir, "model-spec.pt")
+    torch.save(spec, spec_path)
+    args += ["--model-spec", spec_path]
+    return spec
+
+
+def _worker_env(env: Mapping[str, str] | None) -> dict[str, str]:
+    """The ranks import what this process imports: its sys.path goes first on theirs (a skeleton's classes)."""
+    paths = [p for p in sys.path if p and os.path.isdir(p)]
+    given = {**os.environ, **(env or {})}.get("PYTHONPATH", "")
+    return {**(env or {}), "PYTHONPATH": os.pathsep.join([*paths, *([given] if given else [])])}
+
+
+def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: Any, *, steps: int,
             nproc_per_node: int | None = None, seed: int = 0, global_batch: int | None = None,
             seq_len: int | None = None, report: str | Path | None = None, save_every: int = 0,
             checkpoint_dir: str | None = None, resume: str | None = None, timeout_s: float = 300.0,
             launcher_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
-            out: TextIO | None = None, data: str | Path | None = None, trace: bool = False) -> dict[str, Any]:
-    """Train `model` (a preset name) under a plan, config or plan JSON path on torchrun-launched ranks;
-    returns the run report (also written to `report` when given). Raises RunFailed if a rank fails.
-    `data`: a token file (.npy, .bin uint16, .pt) to train on instead of synthetic tokens; `trace`: record
-    the last step's pipeline actions per rank in the report's "timeline" (execute.trace)."""
-    if not isinstance(model, str):
-        raise ValueError(f"model must be a preset name (see `autoplan models`), got {type(model).__name__}")
+            out: TextIO | None = None, data: str | Path | None = None,
+            weights: str | Path | None = None, trace: bool = False) -> dict[str, Any]:
+    """Train `model` under a plan, config or plan JSON path on torchrun-launched ranks; returns the run report
+    (also written to `report` when given). Raises RunFailed if a rank fails.
+
+    `model`: a preset name, "path/to/file.py:factory", a Hugging Face from_pretrained directory or an nn.Module
+    (its weights are trained; one built on the meta device is initialised from `seed`). `weights`: a
+    safetensors file or directory to start from (each rank reads its own shards). `data`: a token file (.npy,
+    .bin, .pt) to train on instead of synthetic tokens. `trace`: record the last step's pipeline actions per
+    rank in the report's "timeline" (execute.trace). Every check of execute.preflight runs here first: a
+    mistake is one ValueError line, before any rank starts."""
+    from autoplan.execute.preflight import check_run_flags, preflight
+
+    check_run_flags(steps=steps, save_every=save_every, checkpoint_dir=checkpoint_dir, resume=resume,
+                    data=str(data) if data else None)
+    if isinstance(plan_or_config, (str, Path)):
+        plan, global_batch, seq_len = read_plan(plan_or_config, global_batch=global_batch, seq_len=seq_len)
+    else:
+        plan = plan_or_config
+        if isinstance(plan, Plan):
+            global_batch, seq_len = global_batch or plan.global_batch, seq_len or plan.seq_len
+        if not global_batch or not seq_len:
+            raise ValueError("give global_batch and seq_len (--global-batch, --seq-len) with a bare configuration")
+    spec, meta = resolve_model(model, weights=weights, seq_len=seq_len)
+    config = plan.config if isinstance(plan, Plan) else plan
+    preflight(plan, spec, meta, global_batch=global_batch, seq_len=seq_len, nproc_per_node=nproc_per_node,
+              nnodes=launcher_nnodes(launcher_args) or 1, data=str(data) if data else None)
     with tempfile.TemporaryDirectory(prefix="autoplan-run-") as run_dir:
         plan_path = os.path.join(run_dir, "plan.json")
-        if isinstance(plan_or_config, (str, Path)):
-            plan, global_batch, seq_len = read_plan(plan_or_config, global_batch=global_batch, seq_len=seq_len)
-        else:
-            plan = plan_or_config
         write_plan(plan, plan_path, global_batch=global_batch, seq_len=seq_len)
-        read_plan(plan_path)  # fail here, not on every rank, when batch or length are missing
-        config = plan.config if isinstance(plan, Plan) else plan
-        _check_rank_count(config, nproc_per_node, launcher_args)
         report_path = str(report) if report else os.path.join(run_dir, "report.json")
-        args = ["--plan", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
+        args = ["--plan", plan_path, "--model", spec.name, "--steps", str(steps), "--seed", str(seed),
                 "--report", report_path, "--run-dir", run_dir, "--timeout-s", str(timeout_s),
                 "--save-every", str(save_every)]
         args += ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
         args += ["--resume", resume] if resume else []
         args += ["--trace"] if trace else []
-        if data:
-            if not Path(data).is_file():
-                raise FileNotFoundError(f"data file {str(data)!r} does not exist")
-            args += ["--data", str(Path(data).resolve())]
+        args += ["--data", str(Path(data).resolve())] if data else []
+        if not spec.is_preset:
+            spec = _ship_model(spec, model, run_dir, args)
+            env = _worker_env(env)
         cmd = torchrun_command(args, nproc_per_node=nproc_per_node or config.num_devices,
                                launcher_args=launcher_args)
         run_torchrun(cmd, run_dir=run_dir, env=env, out=out)

@@ -3,6 +3,10 @@
 `build_mesh` makes the 5-D mesh in MESH_AXIS_ORDER (pp outermost, tp innermost); `sub_meshes` derives,
 once, the 1-D meshes each technique needs, including the flattened data-parallel meshes: dense
 parameters are replicated (or sharded) over dp*ep*cp, expert parameters over dp*cp.
+
+MoE folding (config.folded): `build_expert_mesh` makes a second mesh over the same ranks, (pp, edp, eep,
+etp) of plan.layout.expert_mesh_shape; the experts are then sharded over its eep axis and data parallel
+over its edp axis, and the tokens entering them are split over the dense tp group.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autoplan.plan.layout import EXPERT_AXIS_NAMES, expert_mesh_shape
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig
 
 AXIS_NAMES: tuple[str, ...] = tuple(axis.value for axis in MESH_AXIS_ORDER)
@@ -30,12 +35,27 @@ def build_mesh(config: ParallelConfig, *, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, shape, mesh_dim_names=AXIS_NAMES)
 
 
+def build_expert_mesh(config: ParallelConfig, *, device_type: str) -> DeviceMesh | None:
+    """The experts' own 4-D mesh (pp, edp, eep, etp) over the same ranks when the plan folds them
+    (Megatron-Core's expert RankGenerator order, etp innermost); None when it does not. A collective
+    call: every rank builds it, after build_mesh."""
+    if not config.folded:
+        return None
+    import torch
+
+    shape = tuple(size for _, size in expert_mesh_shape(config))
+    return DeviceMesh(device_type, torch.arange(config.num_devices).view(shape), mesh_dim_names=EXPERT_AXIS_NAMES)
+
+
 @dataclass(frozen=True)
 class SubMeshes:
     """1-D meshes of one rank, derived once from the 5-D mesh.
 
     dense_dp: ("dp", "ep", "cp") flattened, over which dense parameters and gradients are data parallel.
-    expert_dp: ("dp", "cp") flattened, over which expert parameters (sharded over ep) are data parallel.
+    expert_dp: ("dp", "cp") flattened, over which expert parameters (sharded over ep) are data parallel;
+      folded, the expert mesh's edp axis.
+    experts: the mesh the routed experts are sharded over: ep, or folded the expert mesh's eep axis.
+    token_split: folded, the dense tp mesh over which the experts' tokens are split; None otherwise.
     """
 
     pp: DeviceMesh
@@ -45,14 +65,22 @@ class SubMeshes:
     tp: DeviceMesh
     dense_dp: DeviceMesh
     expert_dp: DeviceMesh
+    experts: DeviceMesh | None = None  # None: the ep mesh
+    token_split: DeviceMesh | None = None
+
+    @property
+    def expert_shards(self) -> DeviceMesh:
+        return self.experts if self.experts is not None else self.ep
 
     def rank_on(self, axis: str) -> int:
         """This rank's coordinate along one axis."""
         return getattr(self, axis).get_local_rank()
 
 
-def sub_meshes(mesh: DeviceMesh) -> SubMeshes:
-    """Slice the 5-D mesh of `build_mesh` into the meshes of SubMeshes (call once per mesh)."""
+def sub_meshes(mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> SubMeshes:
+    """Slice the 5-D mesh of `build_mesh` (and the expert mesh of `build_expert_mesh`, when the plan
+    folds its experts) into the meshes of SubMeshes (call once per mesh)."""
+    folded = expert_mesh is not None
     return SubMeshes(
         pp=mesh["pp"],
         dp=mesh["dp"],
@@ -60,5 +88,7 @@ def sub_meshes(mesh: DeviceMesh) -> SubMeshes:
         cp=mesh["cp"],
         tp=mesh["tp"],
         dense_dp=mesh["dp", "ep", "cp"]._flatten("dp_ep_cp"),
-        expert_dp=mesh["dp", "cp"]._flatten("dp_cp"),
+        expert_dp=expert_mesh["edp"] if folded else mesh["dp", "cp"]._flatten("dp_cp"),
+        experts=expert_mesh["eep"] if folded else None,
+        token_split=mesh["tp"] if folded else None,
     )

@@ -4,33 +4,45 @@ The same seed gives the same initial weights (the full model is built on CPU aft
 torch.manual_seed(seed), before any sharding) and the same data (the global batch of step k is drawn
 from a torch.Generator seeded with (seed * 1000003 + k) mod 2^32), so one process with tp = pp = dp = 1 is the
 reference for every plan. Loss: mean next-token cross entropy over all tokens of the global batch; cp ranks
-hold equal zig-zag shards of each sequence (chunks r and 2cp-1-r of 2*cp), so their mean loss is exact.
+hold equal zig-zag shards of each sequence (chunks r and 2cp-1-r of 2*cp), so their mean loss is exact. A model
+without tokens (ModelSpec.input_shape: a ViT, a ResNet) trains on seeded inputs and class labels
+(execute.images), its loss the mean cross entropy over the samples.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import resource
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from autoplan.execute.apply import apply_plan, config_of
+from autoplan.execute.apply import apply_plan, config_of, recompute_lookup
 from autoplan.execute.checkpoint import load_checkpoint, save_checkpoint
 from autoplan.execute.context import zigzag_positions
-from autoplan.execute.fsdp import ZERO1_RUNS_AS_ZERO2
-from autoplan.execute.mesh import SubMeshes, build_mesh, sub_meshes
+from autoplan.execute.data import (  # noqa: F401 - the data functions' home was this module
+    TOKEN_FILE_FORMATS,
+    load_tokens,
+    make_batch,
+    sample_windows,
+    step_generator,
+)
+from autoplan.execute.experts import check_expert_layout
+from autoplan.execute.fsdp import prepare_microbatch
+from autoplan.execute.generic import build_generic_parts
+from autoplan.execute.gradnorm import global_grad_norm
+from autoplan.execute.images import image_batch, local_rows
+from autoplan.execute.mesh import SubMeshes, build_expert_mesh, build_mesh, sub_meshes
 from autoplan.execute.pipeline import (
     SCALE_GRADS,
     build_schedule,
@@ -39,8 +51,10 @@ from autoplan.execute.pipeline import (
     local_stage_indices,
 )
 from autoplan.execute.recompute import original_fqn
+from autoplan.execute.source import ModelSpec
 from autoplan.execute.trace import ActionTrace
-from autoplan.models import Transformer, preset
+from autoplan.models import Transformer, TransformerConfig, preset, preset_config
+from autoplan.plan.layout import ZeroLayout, divisibility_errors, zero_layout
 from autoplan.plan.types import ParallelConfig, Plan
 
 
@@ -78,6 +92,7 @@ class TrainResult:
     peak_mem_bytes: int
     start_step: int = 0
     parts: list[nn.Module] = field(default_factory=list, repr=False)
+    grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step (execute.gradnorm)
     actions: list[list[Any]] = field(default_factory=list)  # the last step's, with options.trace
 
 
@@ -88,62 +103,10 @@ def build_model(model_name: str, seed: int) -> Transformer:
         return preset(model_name)
 
 
-def step_generator(seed: int, step: int) -> torch.Generator:
-    """The data generator of one step, the same under every plan."""
-    # the CPU generator keeps 32 bits of its seed; distinct for seeds < 4294 and steps < 1000003
-    return torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**32)
-
-
-def make_batch(seed: int, step: int, *, global_batch: int, seq_len: int, vocab_size: int) -> torch.Tensor:
-    """Token ids [global_batch, seq_len + 1] of one step; inputs and targets are its shift by one."""
-    generator = step_generator(seed, step)
-    return torch.randint(0, vocab_size, (global_batch, seq_len + 1), generator=generator)
-
-
-TOKEN_FILE_FORMATS = {".npy": "numpy array of token ids", ".bin": "raw uint16 token ids (nanoGPT's format)",
-                      ".pt": "torch tensor of token ids"}
-
-
-def load_tokens(path: str, *, vocab_size: int, seq_len: int) -> torch.Tensor:
-    """A user's token stream as a 1-D int64 tensor: .npy (memory-mapped), .bin (raw uint16, as nanoGPT's
-    prepare scripts write) or .pt. Every id must be below the model's vocabulary, and the stream must
-    hold at least one window of seq_len + 1 tokens."""
-    import numpy as np
-
-    suffix = Path(path).suffix
-    if suffix not in TOKEN_FILE_FORMATS:
-        known = ", ".join(f"{k} ({v})" for k, v in TOKEN_FILE_FORMATS.items())
-        raise ValueError(f"data file {path!r}: unknown format {suffix!r}; use one of {known}")
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"data file {path!r} does not exist")
-    if suffix == ".npy":
-        tokens = torch.from_numpy(np.asarray(np.load(path, mmap_mode="r")).astype(np.int64))
-    elif suffix == ".bin":
-        tokens = torch.from_numpy(np.fromfile(path, dtype=np.uint16).astype(np.int64))
-    else:
-        tokens = torch.as_tensor(torch.load(path, weights_only=True)).long()
-    tokens = tokens.flatten()
-    if tokens.numel() < seq_len + 2:
-        raise ValueError(f"data file {path!r} holds {tokens.numel()} tokens: need at least seq_len + 2 = "
-                         f"{seq_len + 2}; use a longer file or a shorter --seq-len")
-    low, high = int(tokens.min()), int(tokens.max())
-    if low < 0 or high >= vocab_size:
-        raise ValueError(f"data file {path!r} has token ids in [{low}, {high}] but the model's vocabulary is "
-                         f"{vocab_size}: tokenize for this model or pick a model with a larger vocabulary")
-    return tokens
-
-
-def sample_windows(tokens: torch.Tensor, seed: int, step: int, *, global_batch: int, seq_len: int) -> torch.Tensor:
-    """[global_batch, seq_len + 1] windows of the token stream at offsets drawn from the same (seed, step)
-    generator as make_batch, so every plan sees the same data."""
-    generator = step_generator(seed, step)
-    starts = torch.randint(0, tokens.numel() - seq_len - 1, (global_batch,), generator=generator)
-    return torch.stack([tokens[int(i):int(i) + seq_len + 1] for i in starts])
-
-
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens; logits may be a vocab-sharded DTensor (then call it under loss_parallel())."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+    """Mean over tokens ([B, S, V] logits, [B, S] targets) or samples ([B, C], [B]); logits may be a
+    vocab-sharded DTensor (then call it under loss_parallel())."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
 
 def local_batch(batch: torch.Tensor, config: ParallelConfig, meshes: SubMeshes) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,31 +140,56 @@ class _Job:
     optimizers: list[torch.optim.Optimizer]
     schedule: Any
     device: torch.device
+    layout: ZeroLayout  # the ZeRO layout of plan.layout.zero_layout
+    vocab_size: int = 0
     trace: ActionTrace | None = None
 
 
-def _setup(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
+def check_divides(model_config: TransformerConfig, config: ParallelConfig, options: TrainOptions) -> None:
+    """Refuse, with the first line of plan.layout.divisibility_errors (the rule the search filters with and
+    the cost model refuses with), a plan whose degrees do not divide the model, the sequence or the batch."""
+    c = model_config
+    errors = divisibility_errors(config, num_heads=c.num_heads, num_kv_heads=c.num_kv_heads or c.num_heads,
+                                 ffn_hidden_size=c.ffn_hidden_size or 0, num_experts=c.num_experts,
+                                 vocab_size=c.vocab_size, seq_len=options.seq_len, num_blocks=c.num_layers,
+                                 global_batch=options.global_batch)
+    if errors:
+        raise ValueError(f"{c.name}: {errors[0]}")
+
+
+def _setup(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: TrainOptions, device: torch.device) -> _Job:
     config = config_of(plan)
+    check_expert_layout(config)
+    generic = isinstance(model_name, ModelSpec) and not model_name.is_preset
+    if not generic:  # other models: execute.preflight checked them in the parent, with their roles
+        model_name = getattr(model_name, "name", model_name)
+        check_divides(preset_config(model_name), config, options)
     mesh = build_mesh(config, device_type=device.type)
-    meshes = sub_meshes(mesh)
-    config.num_microbatches(options.global_batch)  # raises when the batch does not divide
-    model = build_model(model_name, options.seed)
-    if options.seq_len > model.config.max_seq_len:
-        raise ValueError(f"seq_len {options.seq_len} exceeds {model_name}'s max_seq_len "
-                         f"{model.config.max_seq_len}: use --seq-len <= {model.config.max_seq_len}")
-    parts = apply_plan(model, plan, meshes, device=device)
+    meshes = sub_meshes(mesh, build_expert_mesh(config, device_type=device.type))
+    num_microbatches = config.num_microbatches(options.global_batch)  # raises when the batch does not divide
+    layout = zero_layout(config, num_microbatches)  # what the cost model priced
+    if generic:  # any other model: execute.generic
+        parts = build_generic_parts(model_name, plan, meshes, device=device, seed=options.seed,
+                                    recompute_for=recompute_lookup(plan), layout=layout)
+        vocab_size = model_name.roles.vocab_size
+    else:
+        model = build_model(model_name, options.seed)
+        if options.seq_len > model.config.max_seq_len:
+            raise ValueError(f"seq_len {options.seq_len} exceeds {model_name}'s max_seq_len "
+                             f"{model.config.max_seq_len}: use --seq-len <= {model.config.max_seq_len}")
+        parts = apply_plan(model, plan, meshes, device=device, num_microbatches=num_microbatches)
+        vocab_size = model.config.vocab_size
     indices = local_stage_indices(config, meshes.rank_on("pp")) if config.pp > 1 else (0,)
     optimizers = [torch.optim.AdamW(p.parameters(), lr=options.lr, weight_decay=options.weight_decay,
                                     foreach=False) for p in parts]
     schedule = None
     if config.pp > 1:
         schedule = build_schedule(parts, indices, config, pp_group=meshes.pp.get_group(), device=device,
-                                  num_microbatches=config.num_microbatches(options.global_batch),
-                                  loss_fn=cross_entropy)
+                                  num_microbatches=num_microbatches, loss_fn=cross_entropy)
     trace = ActionTrace() if options.trace and schedule is not None else None
     if trace is not None:
         trace.instrument(schedule)
-    return _Job(config, meshes, parts, indices, optimizers, schedule, device, trace)
+    return _Job(config, meshes, parts, indices, optimizers, schedule, device, layout, vocab_size, trace)
 
 
 def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int) -> float | None:
@@ -217,8 +205,8 @@ def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, nu
         part, total = job.parts[0], None
         for i, (mb_inputs, mb_targets) in enumerate(zip(inputs.chunk(num_microbatches),
                                                         targets.chunk(num_microbatches))):
-            if isinstance(part, FSDPModule):  # accumulate locally, reduce once after the last microbatch
-                part.set_requires_gradient_sync(i == num_microbatches - 1)
+            # reduce now or accumulate, free the gathered weights or keep them: as zero_layout says
+            prepare_microbatch(part, job.layout, last=i == num_microbatches - 1)
             loss = cross_entropy(part(mb_inputs), mb_targets) / num_microbatches
             loss.backward()
             total = loss.detach() if total is None else total + loss.detach()  # one device sync, below
@@ -233,38 +221,55 @@ def _global_loss(job: _Job, local: float | None) -> float:
     return float(value.item()) / (c.dp * c.ep * c.cp * c.tp)
 
 
-def train(model_name: str, plan: Plan | ParallelConfig, options: TrainOptions, *, device: torch.device,
+def _step_batch(job: _Job, model: str | ModelSpec, options: TrainOptions, tokens: Any,
+                step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's (inputs, targets) of one step: seeded images and labels for a model without tokens,
+    else synthetic tokens or windows of the token file."""
+    if isinstance(model, ModelSpec) and model.input_shape:
+        pair = image_batch(options.seed, step, global_batch=options.global_batch, input_shape=model.input_shape,
+                           num_outputs=model.num_outputs)
+        return local_rows(pair, job.config, job.meshes)
+    if tokens is None:
+        batch = make_batch(options.seed, step, global_batch=options.global_batch, seq_len=options.seq_len,
+                           vocab_size=job.vocab_size)
+    else:
+        batch = sample_windows(tokens, options.seed, step, global_batch=options.global_batch, seq_len=options.seq_len)
+    return local_batch(batch, job.config, job.meshes)
+
+
+def train(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: TrainOptions, *, device: torch.device,
           on_step: Callable[[int], None] | None = None) -> TrainResult:
     """Run options.steps optimizer steps of the plan on this rank (the process group is initialised)."""
     job = _setup(model_name, plan, options, device)
     start = _maybe_resume(job, options)
-    vocab = job.parts[0].config.vocab_size
+    vocab = job.vocab_size
     tokens = load_tokens(options.data, vocab_size=vocab, seq_len=options.seq_len) if options.data else None
     n_mb = job.config.num_microbatches(options.global_batch)
-    losses, times = [], []
+    losses, times, norms = [], [], []
+    pp_group = job.meshes.pp.get_group() if job.config.pp > 1 else None
     for step in range(start, options.steps):
         if on_step is not None:
             on_step(step)
-        if tokens is None:
-            batch = make_batch(options.seed, step, global_batch=options.global_batch, seq_len=options.seq_len,
-                               vocab_size=vocab)
-        else:
-            batch = sample_windows(tokens, options.seed, step, global_batch=options.global_batch,
-                                   seq_len=options.seq_len)
-        inputs, targets = (t.to(device) for t in local_batch(batch, job.config, job.meshes))
+        inputs, targets = (t.to(device) for t in _step_batch(job, model_name, options, tokens, step))
         t0 = time.perf_counter()
         local = _forward_backward(job, inputs, targets, n_mb)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t_norm = time.perf_counter()
+        norms.append(global_grad_norm(job.parts, pp_group=pp_group))  # not timed: a check, not the plan's work
+        t1 = time.perf_counter()
         for optimizer in job.optimizers:
             optimizer.step()
             optimizer.zero_grad()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t1 + (t_norm - t0))
         losses.append(_global_loss(job, local))
         if options.save_every and (step + 1) % options.save_every == 0:
             _save(job, options, step + 1)
     return TrainResult(losses=losses, step_times_s=times, peak_mem_bytes=peak_memory_bytes(device),
-                       start_step=start, parts=job.parts, actions=job.trace.last_step() if job.trace else [])
+                       start_step=start, parts=job.parts, grad_norms=norms,
+                       actions=job.trace.last_step() if job.trace else [])
 
 
 def _save(job: _Job, options: TrainOptions, step: int) -> None:
@@ -306,13 +311,14 @@ def report(result: TrainResult, *, plan: Plan | ParallelConfig, model_name: str,
         "start_step": result.start_step,
         "steps": options.steps,
         "losses": result.losses,
+        "grad_norms": result.grad_norms,
         "step_times_s": result.step_times_s,
         "step_time_s": statistics.median(steady) if steady else None,
         "peak_mem_bytes_per_rank": peak_mem_per_rank,
         "optimizer": {"name": "AdamW", "lr": options.lr, "weight_decay": options.weight_decay,
                       "betas": [0.9, 0.999], "eps": 1e-8},
-        "numerics": {"dtype": "float32", "pipeline_scale_grads": SCALE_GRADS,
-                     "zero1_runs_as_zero2": ZERO1_RUNS_AS_ZERO2 and config.zero == 1, "grad_clip": None},
+        "numerics": {"dtype": "float32", "pipeline_scale_grads": SCALE_GRADS, "grad_clip": None},
+        "zero_layout": dataclasses.asdict(zero_layout(config, config.num_microbatches(options.global_batch))),
     }
     if isinstance(plan, Plan):
         out["predicted_step_time_s"] = plan.estimate.step_time_s

@@ -27,7 +27,9 @@ KILL_RANK_ENV, KILL_STEP_ENV, FAULT_ENV = "AUTOPLAN_TEST_KILL_RANK", "AUTOPLAN_T
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="autoplan.execute.worker")
     p.add_argument("--plan", required=True, help="plan JSON (a saved Plan, or {'config': ...})")
-    p.add_argument("--model", required=True)
+    p.add_argument("--model", required=True, help="preset name (or the name of the model in --model-spec)")
+    p.add_argument("--model-spec", dest="model_spec", default=None,
+                   help="a ModelSpec saved by the launcher (any model that is not a preset)")
     p.add_argument("--steps", type=int, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--global-batch", dest="global_batch", type=int, default=None)
@@ -85,7 +87,8 @@ def _run(args: argparse.Namespace, rank: int) -> None:
                            lr=args.lr, weight_decay=args.weight_decay, save_every=args.save_every,
                            checkpoint_dir=args.checkpoint_dir, resume=args.resume, data=args.data,
                            trace=args.trace)
-    result = train(args.model, plan, options, device=device, on_step=_kill_hook(rank))
+    model = torch.load(args.model_spec, weights_only=False) if args.model_spec else args.model
+    result = train(model, plan, options, device=device, on_step=_kill_hook(rank))
     peaks: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(peaks, result.peak_mem_bytes)
     traces: list[list] = [[] for _ in range(dist.get_world_size())]
@@ -110,17 +113,24 @@ def _run(args: argparse.Namespace, rank: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    return run_guarded(args.run_dir, lambda rank: _run(args, rank))
+
+
+def run_guarded(run_dir: str, body: Callable[[int], None]) -> int:
+    """Run body(rank) with the launcher's failure protocol: the stack on SIGTERM to
+    <run-dir>/stack-<rank>.txt, a failure's traceback to <run-dir>/error-<rank>.json, then exit 1
+    (launch.diagnose reads both). Shared by the training worker and autoplan.execute.serve."""
     rank = int(os.environ.get("RANK", "0"))
-    os.makedirs(args.run_dir, exist_ok=True)
+    os.makedirs(run_dir, exist_ok=True)
     # kept open for the life of the process: faulthandler writes to it on SIGTERM
-    stack_file = open(os.path.join(args.run_dir, f"stack-{rank}.txt"), "w")  # noqa: SIM115
+    stack_file = open(os.path.join(run_dir, f"stack-{rank}.txt"), "w")  # noqa: SIM115
     faulthandler.register(signal.SIGTERM, file=stack_file, all_threads=True, chain=True)
     try:
-        _run(args, rank)
+        body(rank)
     except BaseException as exc:  # noqa: BLE001 - recorded for the launcher, then the rank exits 1
         record = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
                   "traceback": traceback.format_exc()}
-        path = os.path.join(args.run_dir, f"error-{rank}.json")
+        path = os.path.join(run_dir, f"error-{rank}.json")
         with open(path + ".tmp", "w") as f:
             json.dump(record, f)
         os.replace(path + ".tmp", path)

@@ -10,7 +10,6 @@ result equals a full capture (tests check it).
 from __future__ import annotations
 
 import contextlib
-import copy
 import io
 import itertools
 import logging
@@ -25,11 +24,13 @@ from torch import nn
 from torch.export import ExportedProgram
 from torch.export.graph_signature import InputKind
 
-from autoplan.graph import activations, layers, recognise
+from autoplan.graph import activations, components, layers, recognise
 from autoplan.graph.errors import CaptureError, describe_failure
-from autoplan.graph.types import Layer, LayerGraph, LayerRole
+from autoplan.graph.meta import meta_copy as _meta_copy
+from autoplan.graph.meta import to_meta_in_place as _to_meta_in_place
+from autoplan.graph.types import ComponentGraph, Layer, LayerGraph, LayerRole
 
-__all__ = ["CaptureError", "capture"]
+__all__ = ["CaptureError", "capture", "capture_components"]
 
 
 def capture(
@@ -41,6 +42,7 @@ def capture(
     model_name: str | None = None,
     example_inputs: tuple[Any, ...] | None = None,
     reuse_blocks: bool = True,
+    copy_model: bool = True,
 ) -> LayerGraph:
     """The layer graph of `model` for one microbatch of `microbatch` sequences of `seq_len` tokens.
 
@@ -48,6 +50,8 @@ def capture(
     `input_ids=..., use_cache=False`); others a float input [microbatch, seq_len, in_features] for a
     leading Linear, [microbatch, C, side*stride, side*stride] with side = sqrt(seq_len) patches for a
     leading Conv2d; or pass `example_inputs` (tensors on any device; only shapes and dtypes are used).
+    `copy_model=False` traces `model` itself, its tensors swapped in place for the same meta tensors (faster,
+    the same graph; for a model built only to be captured: it is left on meta, in train mode).
     """
     _check_size("seq_len", seq_len)
     _check_size("microbatch", microbatch)
@@ -55,7 +59,7 @@ def capture(
         raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating torch.dtype such as torch.bfloat16, got {dtype!r}")
-    shadow = _meta_copy(model, dtype)
+    shadow = _meta_copy(model, dtype) if copy_model else _to_meta_in_place(model, dtype)
     shadow.train()
     args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
     units = layers.find_units(shadow)
@@ -82,7 +86,50 @@ def capture(
         num_nodes=sum(layer.num_nodes for layer in built),
         capture_method=method,
         notes=tuple(notes),
+        input_shape=_sample_shape(args, kwargs),
     )
+
+
+def capture_components(
+    model: nn.Module,
+    *,
+    seq_len: int,
+    microbatch: int = 1,
+    dtype: torch.dtype = torch.bfloat16,
+    model_name: str | None = None,
+    example_inputs: tuple[Any, ...] | None = None,
+) -> ComponentGraph:
+    """The model as a DAG of components (graph/components.py), each with its own LayerGraph, from one
+    trace; the inputs are those of `capture` (LLaVA-style models get pixel_values and input_ids of
+    seq_len tokens, the image's tokens first). A single-chain model gives one component holding
+    `capture`'s graph. Blocks are all traced (no reuse across identical blocks)."""
+    _check_size("seq_len", seq_len)
+    _check_size("microbatch", microbatch)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"capture needs an nn.Module, got {type(model).__name__}")
+    name = model_name or _name_of(model)
+    shadow = _meta_copy(model, dtype)
+    roots = components.find_roots(shadow)
+    if not roots:
+        return components.single(capture(model, seq_len=seq_len, microbatch=microbatch, dtype=dtype,
+                                         model_name=name, example_inputs=example_inputs))
+    shadow.train()
+    args, kwargs = _inputs(shadow, seq_len, microbatch, example_inputs)
+    ep, method = _trace(shadow, args, kwargs)
+    taint = _taint(ep)
+    split = components.split_graph(ep.graph, shadow, roots, taint, layers.Hint(), seq_len)
+    saved, note = activations.saved_for_backward(ep, taint, min(split.seq_lens.values()), microbatch)
+    measured = {spec.name: _measure_groups(ep, shadow, split.groups[spec.name], taint, saved, microbatch)
+                for spec in split.specs}
+    return components.assemble(split, measured, model_name=name, microbatch=microbatch,
+                               dtype_bytes=torch.empty((), dtype=dtype).element_size(), method=method,
+                               notes=(note,) if note else (), input_shapes=components.input_shapes(ep))
+
+
+def _sample_shape(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...]:
+    """One sample's shape of the first tensor input (its batch dimension dropped)."""
+    first = next((x for x in (*args, *kwargs.values()) if isinstance(x, torch.Tensor)), None)
+    return tuple(int(d) for d in first.shape[1:]) if first is not None and first.dim() > 0 else ()
 
 
 def _check_size(name: str, value: Any) -> None:
@@ -94,38 +141,21 @@ def _check_size(name: str, value: Any) -> None:
         )
 
 
-def _meta_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A deep copy whose parameters are meta tensors of `dtype` (floating ones) and buffers meta tensors
-    of their own dtype: no weight is read, copied or moved."""
-    memo: dict[int, Any] = {}
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if id(t) in memo:
-            continue
-        if isinstance(t, nn.Parameter):
-            target = dtype if t.is_floating_point() else t.dtype
-            memo[id(t)] = nn.Parameter(
-                torch.empty(t.shape, dtype=target, device="meta"), requires_grad=t.requires_grad
-            )
-        else:
-            memo[id(t)] = torch.empty(t.shape, dtype=t.dtype, device="meta")
-    try:
-        return copy.deepcopy(model, memo)
-    except Exception as exc:
-        raise CaptureError(
-            f"cannot copy {type(model).__name__} to the meta device (deepcopy failed: "
-            f"{type(exc).__name__}: {exc}); build the model under `with torch.device('meta'):` and pass that"
-        ) from exc
-
-
 def _inputs(
     model: nn.Module, seq_len: int, microbatch: int, example: tuple[Any, ...] | None
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     if example is not None:
+        # floating inputs take the capture dtype (the parameters'), integer ones (token ids) keep theirs
+        floating = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
         metas = tuple(
-            torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, torch.Tensor) else x
+            torch.empty(x.shape, dtype=floating if x.is_floating_point() else x.dtype, device="meta")
+            if isinstance(x, torch.Tensor) else x
             for x in example
         )
         return metas, {}
+    multimodal = components.multimodal_inputs(model, seq_len, microbatch)
+    if multimodal is not None:
+        return (), multimodal
     if any(isinstance(m, nn.Embedding) for m in model.modules()):
         ids = torch.zeros(microbatch, seq_len, dtype=torch.long, device="meta")
         if hasattr(model, "config") and hasattr(model, "can_generate"):  # a transformers PreTrainedModel
@@ -227,7 +257,13 @@ def _measure(
     ep: ExportedProgram, model: nn.Module, units: layers.Units, microbatch: int, seq_len: int
 ) -> tuple[list[Layer], str]:
     """The measured layers of the traced graph, and a note on how activations were measured."""
-    graph = ep.graph
+    taint = _taint(ep)
+    groups = layers.group_nodes(ep.graph, units, model)
+    saved, note = activations.saved_for_backward(ep, taint, seq_len, microbatch)
+    return _measure_groups(ep, model, groups, taint, saved, microbatch), note
+
+
+def _taint(ep: ExportedProgram) -> layers.Taint:
     specs = ep.graph_signature.input_specs
     user = {s.arg.name for s in specs if s.kind is InputKind.USER_INPUT}
     params = {
@@ -235,15 +271,14 @@ def _measure(
         for s in specs
         if s.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
     }
-    taint = layers.taint(graph, user, params)
-    groups = layers.group_nodes(graph, units, model)
-    saved, note = activations.saved_for_backward(ep, taint, seq_len, microbatch)
+    return layers.taint(ep.graph, user, params)
+
+
+def _measure_groups(ep: ExportedProgram, model: nn.Module, groups: list[layers.Group], taint: layers.Taint,
+                    saved: dict, microbatch: int) -> list[Layer]:
     owner = _param_owners(ep, model, groups)
     hint = layers.Hint()
-    out = []
-    for index, group in enumerate(groups):
-        out.append(_layer(group, index, model, owner, taint, hint, saved, microbatch))
-    return out, note
+    return [_layer(group, index, model, owner, taint, hint, saved, microbatch) for index, group in enumerate(groups)]
 
 
 def _param_owners(ep: ExportedProgram, model: nn.Module, groups: list[layers.Group]) -> dict[str, int]:

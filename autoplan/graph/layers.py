@@ -91,13 +91,14 @@ class Group:
     nodes: list[fx.Node] = field(default_factory=list)
 
 
-def group_nodes(graph: fx.Graph, units: Units, model: nn.Module) -> list[Group]:
-    """Assign every call_function node to a unit, order units by first use and merge them into layers."""
+def group_nodes(graph: fx.Graph | list[fx.Node], units: Units, model: nn.Module) -> list[Group]:
+    """Assign every call_function node to a unit, order units by first use and merge them into layers.
+    `graph` may be a list of nodes in forward order (one component's, see components.py)."""
     known = set(units.blocks) | set(units.others)
     by_unit: dict[str, list[fx.Node]] = {}
     pending: list[fx.Node] = []
     current: str | None = None
-    for node in graph.nodes:
+    for node in graph.nodes if isinstance(graph, fx.Graph) else graph:
         if node.op != "call_function":
             continue
         unit = unit_of(node_path(node), known) or current

@@ -7,8 +7,12 @@ microbatch). Pure data: no torch here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
+from typing import Any
+
+from autoplan.plan.layout import divisibility_errors
+from autoplan.plan.types import ParallelConfig
 
 
 class LayerRole(str, Enum):
@@ -79,6 +83,9 @@ class LayerGraph:
     vocab_size: int = 0
     num_nodes: int = 0  # graph nodes captured (for reporting)
     capture_method: str = ""  # "export", "symbolic_trace", ...
+    # the shape of one sample of the model's first input as captured (batch dimension dropped): (seq_len,)
+    # for token ids, (channels, height, width) for an image model; () when not known
+    input_shape: tuple[int, ...] = ()
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     @property
@@ -93,9 +100,163 @@ class LayerGraph:
     def blocks(self) -> tuple[Layer, ...]:
         return tuple(layer for layer in self.layers if layer.role is LayerRole.BLOCK)
 
+    def divisibility_sizes(self) -> tuple[dict[str, int], ...]:
+        """The sizes a parallel config must divide, as keywords of plan.layout.divisibility_errors: one dict
+        per distinct block shape (heads, kv heads, FFN width), each with the model's vocabulary, routed
+        experts, seq_len and block count."""
+        blocks = self.blocks or self.layers
+        experts = max((b.num_experts for b in blocks), default=0)
+        shapes = dict.fromkeys((b.num_heads, b.num_kv_heads, b.ffn_hidden_size) for b in blocks)
+        return tuple({"num_heads": heads, "num_kv_heads": kv_heads, "ffn_hidden_size": ffn, "num_experts": experts,
+                      "vocab_size": self.vocab_size, "seq_len": self.seq_len, "num_blocks": len(self.blocks)}
+                     for heads, kv_heads, ffn in shapes)
+
+    def divisibility_errors(self, config: ParallelConfig, *, global_batch: int | None = None,
+                            sizes: tuple[dict[str, int], ...] | None = None) -> tuple[str, ...]:
+        """Every way `config` fails to divide this model, one line each (empty when it runs): the rules of
+        plan.layout.divisibility_errors (their one home) over divisibility_sizes() (or `sizes`, computed
+        once by a caller that checks many configs)."""
+        out: dict[str, None] = {}
+        for kwargs in sizes if sizes is not None else self.divisibility_sizes():
+            out.update(dict.fromkeys(divisibility_errors(config, **kwargs, global_batch=global_batch)))
+        return tuple(out)
+
     def kinds(self) -> dict[str, tuple[Layer, ...]]:
         """Layers grouped by kind, in first-appearance order."""
         out: dict[str, list[Layer]] = {}
         for layer in self.layers:
             out.setdefault(layer.kind, []).append(layer)
         return {k: tuple(v) for k, v in out.items()}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Component:
+    """One component of a model (a vision tower, a projector, a language model): the module paths it
+    covers and its own layer graph, captured with the rest of the model in one trace."""
+
+    name: str  # its first module path, e.g. "model.vision_tower"
+    module_paths: tuple[str, ...]
+    graph: LayerGraph  # seq_len is the component's own sequence (image patches for a vision tower)
+    connector: bool = False  # no repeated blocks of its own: a module between components (a projector)
+
+    @property
+    def fwd_flops(self) -> float:
+        return self.graph.fwd_flops
+
+    @property
+    def has_blocks(self) -> bool:
+        """Holds repeated blocks (a tower or a language model), not only a connector like a projector."""
+        return not self.connector
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComponentEdge:
+    """Activations flowing from one component to another: bytes per microbatch of
+    ComponentGraph.microbatch samples in the forward (the backward returns as many gradient bytes)."""
+
+    src: str
+    dst: str
+    activation_bytes: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ComponentGraph:
+    """A model as a DAG of components (vision tower -> projector -> language model; or a sensor branch and
+    a vision branch both feeding a policy), each with its own LayerGraph, plus the edges between them.
+    A single-chain model is one component and no edges. `components` are in the model's forward order,
+    which is a topological order of the DAG."""
+
+    model_name: str
+    components: tuple[Component, ...]
+    edges: tuple[ComponentEdge, ...] = ()
+    microbatch: int = 1
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.components]
+        if len(set(names)) != len(names):
+            raise ValueError(f"component names must be unique, got {names}")
+        for edge in self.edges:
+            if edge.src not in names or edge.dst not in names:
+                raise ValueError(f"edge {edge.src} -> {edge.dst} names a component not in {names}")
+            if names.index(edge.src) >= names.index(edge.dst):
+                raise ValueError(f"edge {edge.src} -> {edge.dst} runs against the forward order {names}")
+
+    @property
+    def is_single(self) -> bool:
+        return len(self.components) == 1
+
+    def component(self, name: str) -> Component:
+        for c in self.components:
+            if c.name == name:
+                return c
+        raise KeyError(f"no component {name!r}: have {[c.name for c in self.components]}")
+
+    def dag(self) -> Any:
+        """The DAG as a networkx.DiGraph: nodes are component names (attribute `component`), edges carry
+        `activation_bytes`."""
+        import networkx as nx
+
+        g = nx.DiGraph()
+        for c in self.components:
+            g.add_node(c.name, component=c)
+        for e in self.edges:
+            g.add_edge(e.src, e.dst, activation_bytes=e.activation_bytes)
+        return g
+
+    def edge_bytes(self, src: str, dst: str) -> int:
+        return sum(e.activation_bytes for e in self.edges if e.src == src and e.dst == dst)
+
+    def merged(self, names: tuple[str, ...] | list[str]) -> LayerGraph:
+        """One LayerGraph of several components run on the same devices: the first name's layers, with the
+        others' before them (as EMBEDDING layers, on the first pipeline stage) when they come earlier in
+        the forward order, after them (as HEAD layers, on the last stage) otherwise; the first one's
+        sequence length."""
+        order = [c.name for c in self.components]
+        main = self.component(names[0]).graph
+        before: list[Layer] = []
+        after: list[Layer] = []
+        for name in sorted(names[1:], key=order.index):
+            role, side = ((LayerRole.EMBEDDING, before) if order.index(name) < order.index(names[0])
+                          else (LayerRole.HEAD, after))
+            side += [replace(layer, role=role) for layer in self.component(name).graph.layers]
+        layers = tuple(replace(layer, index=i) for i, layer in enumerate([*before, *main.layers, *after]))
+        return replace(main, layers=layers, model_name=f"{self.model_name}/{'+'.join(names)}",
+                       num_nodes=sum(self.component(n).graph.num_nodes for n in names))
+
+    def encoder_split(self) -> EncoderSplit | None:
+        """The model as encoder -> language model, for serving (encode -> prefill -> decode): every
+        component before the last one (the language model, the DAG's sink) is the encoder side. None for
+        a single chain or a model whose last component takes no activations from the others."""
+        if self.is_single:
+            return None
+        last = self.components[-1]
+        into = sum(e.activation_bytes for e in self.edges if e.dst == last.name)
+        if not into:
+            return None
+        encoders = tuple(c.name for c in self.components[:-1])
+        heavy = [n for n in encoders if self.component(n).has_blocks] or list(encoders)
+        hidden = next((b.hidden_size for b in last.graph.blocks if b.hidden_size), 0)
+        per_sample = into // self.microbatch
+        tokens = per_sample // (hidden * last.graph.dtype_bytes) if hidden else 0
+        return EncoderSplit(encoder=self.merged([heavy[0], *[n for n in encoders if n != heavy[0]]]),
+                            decoder=last.graph, encoder_components=encoders, decoder_component=last.name,
+                            handoff_bytes_per_sample=per_sample, encoder_tokens_per_sample=tokens)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EncoderSplit:
+    """A model with components seen as one encoder stage feeding a language model (serving's encode ->
+    prefill -> decode). `encoder` is all encoder-side components as one LayerGraph (captured at
+    ComponentGraph.microbatch samples, sequence = the encoder's own, e.g. image patches); `decoder` the
+    language model's graph (sequence = text + image tokens). Per sample the encoder hands
+    handoff_bytes_per_sample bytes (capture dtype) to the decoder, filling encoder_tokens_per_sample of
+    its positions (0 when the decoder's hidden size is not recognised)."""
+
+    encoder: LayerGraph
+    decoder: LayerGraph
+    encoder_components: tuple[str, ...]
+    decoder_component: str
+    handoff_bytes_per_sample: int
+    encoder_tokens_per_sample: int

@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 from autoplan.plan.explain import explain
-from autoplan.plan.io import SCHEMA_VERSION, load_plan, plan_from_json, plan_to_json, save_plan
+from autoplan.plan.io import (
+    SCHEMA_VERSION,
+    load_plan,
+    load_plans,
+    plan_from_json,
+    plan_to_json,
+    plans_to_json,
+    save_plan,
+)
 from autoplan.plan.types import (
     Breakdown,
     Estimate,
@@ -17,5 +25,6 @@ from autoplan.plan.types import (
 
 __all__ = [
     "SCHEMA_VERSION", "Breakdown", "Estimate", "MemoryBreakdown", "ParallelConfig", "Plan", "Recompute",
-    "Schedule", "Stage", "explain", "load_plan", "plan_from_json", "plan_to_json", "save_plan",
+    "Schedule", "Stage", "explain", "load_plan", "load_plans", "plan_from_json", "plan_to_json", "plans_to_json",
+    "save_plan",
 ]

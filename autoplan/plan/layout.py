@@ -82,12 +82,21 @@ def default_stages(layer_names: Sequence[str], is_block: Sequence[bool],
     the first stage, layers after the last block (final norm, head) the last, and other layers between
     blocks follow the block before them. Both the cost model (graph layer names) and the executor (module
     names) call this, so the split that is priced is the split that runs."""
+    return split_by_counts(layer_names, is_block, default_block_counts(sum(map(bool, is_block)), config))
+
+
+def split_by_counts(layer_names: Sequence[str], is_block: Sequence[bool],
+                    counts: Sequence[int]) -> tuple[tuple[str, ...], ...]:
+    """The layers cut into len(counts) stages holding counts[q] blocks each, in model order: layers before
+    the first block join the first stage, layers after the last block the last, other layers between
+    blocks follow the block before them (default_stages' rule, for any counts)."""
     names, flags = list(layer_names), list(is_block)
     if len(names) != len(flags):
         raise ValueError(f"{len(names)} layer names but {len(flags)} block flags")
     block_idx = [i for i, f in enumerate(flags) if f]
-    n = num_stages(config)
-    counts = default_block_counts(len(block_idx), config)
+    n = len(counts)
+    if sum(counts) != len(block_idx) or min(counts, default=0) < 0:
+        raise ValueError(f"stage block counts {list(counts)} do not add up to the {len(block_idx)} blocks")
     if not block_idx:
         return (tuple(names),) + ((),) * (n - 1) if n > 1 else (tuple(names),)
     cuts, total = [], 0
@@ -177,7 +186,9 @@ def divisibility_errors(config: ParallelConfig, *, num_heads: int = 0, num_kv_he
 
     - tp divides the attention heads, the kv heads, the FFN width (Megatron column / row splits, Shoeybi
       et al. 2019) and the vocabulary (vocab-parallel embedding and loss);
-    - ep divides the routed experts;
+    - ep (eep when folded) divides the routed experts;
+    - folded experts with tp > 1: tp divides the tokens of a microbatch on a cp rank (they are split
+      over the tp group before the experts, expert_token_split);
     - 2 cp divides seq_len (the load-balanced causal split into 2 cp chunks: Megatron-core CP, Llama 3);
     - pp * virtual_stages <= the blocks;
     - dp * ep * microbatch divides the global batch."""
@@ -189,9 +200,13 @@ def divisibility_errors(config: ParallelConfig, *, num_heads: int = 0, num_kv_he
             out.append(f"tp={t} does not divide the {what} ({value}): choose tp among the divisors of {value}")
     if config.ep > 1 and not num_experts:
         out.append(f"ep={config.ep} on a model without routed experts: use ep=1")
-    elif num_experts and num_experts % config.ep:
-        out.append(f"ep={config.ep} does not divide the {num_experts} experts: choose ep among the divisors "
-                   f"of {num_experts}")
+    elif config.folded and not num_experts:
+        out.append(f"etp={config.etp}, eep={config.eep} on a model without routed experts: leave them unset")
+    elif num_experts and num_experts % config.expert_ep:
+        name = "eep" if config.folded else "ep"
+        out.append(f"{name}={config.expert_ep} does not divide the {num_experts} experts: choose {name} among "
+                   f"the divisors of {num_experts}")
+    out += _token_split_errors(config, seq_len)
     if config.cp > 1 and seq_len and seq_len % (2 * config.cp):
         out.append(f"cp={config.cp} needs seq_len divisible by 2*cp={2 * config.cp} (load-balanced causal "
                    f"split), got seq_len={seq_len}: choose cp with 2*cp dividing it")
@@ -203,4 +218,74 @@ def divisibility_errors(config: ParallelConfig, *, num_heads: int = 0, num_kv_he
         if global_batch % per or global_batch < per:
             out.append(f"global batch {global_batch} does not divide into dp*ep={config.num_replicas} "
                        f"replicas x microbatch {config.microbatch}: use a global batch that is a multiple of {per}")
+        else:
+            out += schedule_errors(config, global_batch // per)
     return tuple(out)
+
+
+def schedule_errors(config: ParallelConfig, num_microbatches: int) -> tuple[str, ...]:
+    """What the pipeline schedule that runs the plan refuses for this number of microbatches per step
+    (torch.distributed.pipelining 2.13, autoplan's executor; the search enumerates only what passes):
+    - 1F1B (Schedule1F1B.__init__): at least as many microbatches as stages;
+    - interleaved 1F1B and looped zero bubble (ScheduleInterleaved1F1B / ScheduleInterleavedZeroBubble):
+      rounds = max(1, m // pp), and m a multiple of the rounds;
+    - GPipe and the zero-bubble V (ScheduleZBVZeroBubble): any m."""
+    if config.pp == 1:
+        return ()
+    m, p = num_microbatches, config.pp
+    if config.schedule is Schedule.ONE_F_ONE_B and m < p:
+        return ((f"1F1B needs at least pp={p} microbatches per step, got {m}: use a smaller microbatch, a larger "
+                f"global batch or another schedule"),)
+    looped = config.schedule is Schedule.INTERLEAVED or (config.schedule is Schedule.ZERO_BUBBLE
+                                                          and not uses_v_placement(config))
+    rounds = max(1, m // p)
+    if looped and m % rounds:
+        return ((f"{config.schedule.value} runs microbatches in rounds of pp={p}: {m} microbatches are not a "
+                f"multiple of the {rounds} rounds; use a number of microbatches that is"),)
+    return ()
+
+
+# --- MoE parallel folding: the experts' own layout over the same ranks -----------------------------------
+
+EXPERT_AXIS_NAMES = ("pp", "edp", "eep", "etp")
+
+
+def expert_mesh_shape(config: ParallelConfig) -> tuple[tuple[str, int], ...]:
+    """(axis, size) outermost first of the experts' layout when folded: (pp, edp, eep, etp) over the same
+    ranks as the dense (pp, dp, ep, cp, tp) mesh, etp innermost, then the expert-parallel axis, then expert
+    data parallelism (Megatron-Core parallel_state.py initialize_model_parallel: the expert RankGenerator
+    with order "tp-ep-dp-pp" and the dense one's pp groups). A pipeline stage holds the same contiguous
+    block of dp*ep*cp*tp ranks in both meshes, so stage-local rank l is (edp, eep, etp) =
+    (l // (eep*etp), l // etp % eep, l % etp). Unfolded configs keep today's layout (the dense mesh's ep
+    axis; expert data parallelism over dp*cp) and have no expert mesh of their own."""
+    return (("pp", config.pp), ("edp", config.expert_dp), ("eep", config.expert_ep), ("etp", config.expert_tp))
+
+
+def expert_tp_split(config: ParallelConfig, *, unfolded_over_tp: bool) -> int:
+    """Ranks each routed expert's weights and GEMMs are split over. Folded: etp. Unfolded: the dense tp
+    group when the engine splits unfolded experts over it (Engine.tp_splits_unfolded_experts:
+    Megatron-Core, whose expert tensor-parallel size defaults to the tensor-parallel size), else 1:
+    autoplan's executor (execute/experts.py ExpertParallel) holds each of its ep shard's experts whole on
+    every tp rank and runs them on the tp group's replicated tokens."""
+    if config.folded:
+        return config.expert_tp
+    return config.tp if unfolded_over_tp else 1
+
+
+def expert_token_split(config: ParallelConfig) -> int:
+    """How many ways the tokens entering the routed experts are split inside the dense tp group. Folded:
+    tp (each tp rank routes its 1/tp of the group's replicated tokens, so every rank of the stage holds
+    distinct tokens, as Megatron-Core's MoE layer does on its sequence-parallel shard); unfolded: 1 (the
+    tp ranks route the same tokens, today's executor)."""
+    return config.tp if config.folded else 1
+
+
+def _token_split_errors(config: ParallelConfig, seq_len: int) -> list[str]:
+    split = expert_token_split(config)
+    if split == 1 or not seq_len or seq_len % config.cp:
+        return []
+    tokens = config.microbatch * seq_len // config.cp
+    if tokens % split:
+        return [(f"folded experts with tp={split} split the {tokens} tokens of a microbatch on a cp rank over "
+                 f"the tp group, which does not divide them: use a microbatch * seq_len / cp divisible by {split}")]
+    return []

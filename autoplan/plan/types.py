@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from autoplan.plan.engine import Engine
+
 
 class _StrEnum(str, Enum):
     """`enum.StrEnum` for Python 3.10: members compare equal to their string values."""
@@ -69,6 +71,14 @@ class ParallelConfig:
     parallelism is carved out of data parallelism, as in Megatron-LM and DeepSpeed-MoE): dense layers are
     replicated over dp * ep, expert weights are sharded over ep and replicated over dp.
     Each replica runs global_batch / (dp * ep * microbatch) microbatches per step.
+
+    MoE parallel folding (Megatron-Core's expert_tensor_parallel_size / expert_model_parallel_size;
+    Liu et al. 2025, "MoE Parallel Folding", arXiv 2504.14960): `etp` and `eep` give the expert layers a
+    layout of their own over the same dp * ep * cp * tp ranks of a pipeline stage, etp * eep * edp of
+    them, edp the expert data-parallel degree that is left (Megatron-Core parallel_state.py: the expert
+    RankGenerator, order etp (innermost), ep, dp, with its own pp groups equal to the dense ones). 0
+    means "as the dense layers": etp = tp, eep = ep, edp = dp * cp, today's layout (experts sharded over
+    the dense mesh's ep axis). See expert_tp / expert_ep / expert_dp / folded.
     """
 
     tp: int = 1
@@ -82,10 +92,22 @@ class ParallelConfig:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     virtual_stages: int = 1  # model chunks per pipeline rank (interleaved / zero-bubble V schedules)
     recompute: Recompute = Recompute.NONE
+    etp: int = 0  # expert tensor parallel degree; 0: as tp (Megatron-Core's default ETP = TP)
+    eep: int = 0  # expert (model) parallel degree of the folded expert layout; 0: as ep
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp", "cp", "ep", "microbatch", "virtual_stages"):
             _check_positive_int(name, getattr(self, name))
+        for name in ("etp", "eep"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a positive integer (or 0: as the dense layers), got {value!r}")
+        stage_ranks = self.dp * self.ep * self.cp * self.tp
+        if stage_ranks % (self.expert_tp * self.expert_ep):
+            raise ValueError(
+                f"etp*eep = {self.expert_tp}*{self.expert_ep} does not divide the {stage_ranks} ranks of a "
+                f"pipeline stage (dp*ep*cp*tp): choose expert degrees whose product divides {stage_ranks}"
+            )
         if isinstance(self.zero, bool) or not isinstance(self.zero, int) or not 0 <= self.zero <= 3:
             raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
         if not isinstance(self.sp, bool):
@@ -109,6 +131,27 @@ class ParallelConfig:
         """Data-parallel replicas that split the global batch (dp * ep)."""
         return self.dp * self.ep
 
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each routed expert's weights are split over (Megatron-Core ETP)."""
+        return self.etp or self.tp
+
+    @property
+    def expert_ep(self) -> int:
+        """Ranks the routed experts are spread over (Megatron-Core EP)."""
+        return self.eep or self.ep
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding a replica of the same expert shard (the expert data-parallel degree): dp * cp
+        unfolded, the rest of the stage's dp * ep * cp * tp ranks over etp * eep when folded."""
+        return self.dp * self.ep * self.cp * self.tp // (self.expert_tp * self.expert_ep)
+
+    @property
+    def folded(self) -> bool:
+        """Whether the experts have a layout of their own (etp, eep other than the dense tp, ep)."""
+        return (self.expert_tp, self.expert_ep) != (self.tp, self.ep)
+
     def num_microbatches(self, global_batch: int) -> int:
         """Microbatches per pipeline per step; raises if the batch does not divide."""
         per_replica, rest = divmod(global_batch, self.num_replicas * self.microbatch)
@@ -128,12 +171,15 @@ class ParallelConfig:
         out = dataclasses.asdict(self)
         out["schedule"] = self.schedule.value
         out["recompute"] = self.recompute.value
+        for name in ("etp", "eep"):  # written only when set, so older plans keep their exact bytes
+            if not out[name]:
+                del out[name]
         return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, num_devices: int | None = None) -> ParallelConfig:
         """Build from a dict with keys tp, pp, dp, cp, ep, sp, zero, microbatch, schedule,
-        virtual_stages, recompute. Omitted keys take defaults; an omitted `dp` is derived from
+        virtual_stages, recompute (and etp, eep). Omitted keys take defaults; an omitted `dp` is derived from
         `num_devices` (the rest of the devices). Unknown keys are an error."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
@@ -255,10 +301,13 @@ class Stage:
 
     With virtual stages, there are pp * virtual_stages stages; stage i runs on pipeline rank i % pp
     (looped placement, as Megatron's interleaved 1F1B) unless the schedule says otherwise.
-    Module paths are those of the layer graph ("embed", "layers.0", ..., "norm", "head")."""
+    Module paths are those of the layer graph ("embed", "layers.0", ..., "norm", "head").
+    `group` (additive): on a heterogeneous cluster, the node group the stage's pipeline rank runs on
+    (ClusterSpec.groups' name); empty on a homogeneous one."""
 
     index: int
     layer_names: tuple[str, ...]
+    group: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_names", tuple(self.layer_names))
@@ -282,6 +331,15 @@ class Plan:
     layer_recompute: tuple[tuple[str, Recompute], ...] = ()
     rank: int = 0  # 1 = best; 0 when not from a search
     notes: tuple[str, ...] = ()  # plain-language reasons, filled by the search
+    # layouts the ranking folded into this one (predicted the same within the tie tolerances of
+    # autoplan.search.ties), each said by how it differs: "zero=2", "dp=16 cp=2 microbatch=2"
+    folded: tuple[str, ...] = ()
+    # the shape of one input sample the plan was priced for when the model takes no token ids (a CNN
+    # or ViT: (channels, height, width)); empty for token models, whose sample is seq_len tokens
+    sample_shape: tuple[int, ...] = ()
+    # graph.fingerprint.model_fingerprint of the model the plan was made for ("": unknown, not checked)
+    fingerprint: str = ""
+    engine: Engine | None = None  # the engine the estimate was made for (None: not recorded, older plans)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -291,6 +349,14 @@ class Plan:
             tuple((str(n), _parse_enum(Recompute, r, "recompute mode")) for n, r in self.layer_recompute),
         )
         object.__setattr__(self, "notes", tuple(self.notes))
+        object.__setattr__(self, "folded", tuple(self.folded))
+        object.__setattr__(self, "sample_shape", tuple(int(d) for d in self.sample_shape))
+
+    @property
+    def samples_per_s(self) -> float:
+        """Training samples (sequences, images) per second: the global batch over the step time."""
+        t = self.estimate.step_time_s
+        return self.global_batch / t if t > 0 else 0.0
 
     def recompute_for(self, layer_name: str) -> Recompute:
         return dict(self.layer_recompute).get(layer_name, self.config.recompute)
@@ -300,3 +366,21 @@ class Plan:
         from autoplan.plan.explain import explain
 
         return explain(self)
+
+    def to_megatron_args(self, *, strict: bool = False) -> list[str]:
+        """Megatron-LM flags for this layout (autoplan.plan.export.to_megatron_args)."""
+        from autoplan.plan.export import to_megatron_args
+
+        return to_megatron_args(self, strict=strict)
+
+    def to_torchtitan_toml(self, *, strict: bool = False) -> str:
+        """A torchtitan job TOML for this layout (autoplan.plan.export.to_torchtitan_toml)."""
+        from autoplan.plan.export import to_torchtitan_toml
+
+        return to_torchtitan_toml(self, strict=strict)
+
+    def to_deepspeed_config(self, *, strict: bool = False) -> dict[str, Any]:
+        """A DeepSpeed config dict for this layout (autoplan.plan.export.to_deepspeed_config)."""
+        from autoplan.plan.export import to_deepspeed_config
+
+        return to_deepspeed_config(self, strict=strict)

@@ -3,7 +3,8 @@ r"""The stage-split and per-layer recompute ILP, solved with scipy.optimize.milp
 Data (stages.StageProblem): runs j = 0..J-1 of N_j identical blocks in model order; recompute options
 r; stages q = 0..S-1 (S = p v) on ranks rho(q) (StageProblem.stage_rank: q mod p, or a V); per block time t_jr, static bytes w_j,
 activation bytes a_jr; rank rho holds f_rho microbatches of activations; pinned first / last layers
-add (T_F, W_F, A_F) to stage 0 and (T_L, W_L, A_L) to stage S-1; memory limit M.
+add (T_F, W_F, A_F) to stage 0 and (T_L, W_L, A_L) to stage S-1; memory limit M. On heterogeneous
+devices t_jr and M are per rank, t_{rho jr} and M_rho (StageProblem.time_on / mem_limit_on).
 
 Variables: n_qjr in Z>=0 (blocks of run j in stage q with option r); b_qj in {0,1} ("run j+1 has
 started by stage q"); T >= 0 (the slowest rank's time per microbatch); U >= 0 (the slowest stage).
@@ -25,9 +26,9 @@ Identical blocks are one run, so each kind of layer enters the model once, as co
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_matrix
 
 from autoplan.search.stages import StageProblem, StageSolution, evaluate, fits
 
@@ -52,7 +53,10 @@ class _Builder:
         self.lb.append(lb)
         self.ub.append(ub)
 
-    def constraint(self) -> LinearConstraint:
+    def constraint(self) -> Any:
+        from scipy.optimize import LinearConstraint  # scipy (0.3 s to import) only when an ILP is solved
+        from scipy.sparse import coo_matrix
+
         a = coo_matrix((self.vals, (self.rows, self.cols)), shape=(len(self.lb), self.num_vars)).tocsr()
         return LinearConstraint(a, np.array(self.lb), np.array(self.ub))
 
@@ -111,7 +115,8 @@ def _stages_of(problem: StageProblem, rank: int) -> list[int]:
 
 def _add_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> None:
     for rank in range(problem.num_ranks):
-        coeffs = {ix.n(q, j, r): problem.time_s[j][r] / scale
+        times = problem.time_on(rank)
+        coeffs = {ix.n(q, j, r): times[j][r] / scale
                   for q in _stages_of(problem, rank) for j in range(ix.j) for r in range(ix.r)}
         coeffs[ix.t] = -1.0
         m.add(coeffs, -np.inf, -_pinned(problem, rank)[0] / scale)
@@ -119,15 +124,16 @@ def _add_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> N
 
 def _add_chunk_time(m: _Builder, ix: _Index, problem: StageProblem, scale: float) -> None:
     for q in range(ix.s):
-        coeffs = {ix.n(q, j, r): problem.time_s[j][r] / scale for j in range(ix.j) for r in range(ix.r)}
+        times = problem.time_on(problem.stage_rank[q])
+        coeffs = {ix.n(q, j, r): times[j][r] / scale for j in range(ix.j) for r in range(ix.r)}
         coeffs[ix.u] = -1.0
         pinned = (problem.first_time_s if q == 0 else 0.0) + (problem.last_time_s if q == ix.s - 1 else 0.0)
         m.add(coeffs, -np.inf, -pinned / scale)
 
 
 def _add_memory(m: _Builder, ix: _Index, problem: StageProblem) -> None:
-    limit = problem.mem_limit_bytes
     for rank in range(problem.num_ranks):
+        limit = problem.mem_limit_on(rank)
         f = problem.inflight[rank]
         coeffs = {ix.n(q, j, r): (problem.static_bytes[j] + f * problem.act_bytes[j][r]) / limit
                   for q in _stages_of(problem, rank) for j in range(ix.j) for r in range(ix.r)}
@@ -142,31 +148,40 @@ def _objective(ix: _Index, problem: StageProblem, scale: float) -> np.ndarray:
     for q in range(ix.s):
         for j in range(ix.j):
             for r in range(ix.r):
-                c[ix.n(q, j, r)] = eps * problem.time_s[j][r] / scale
+                c[ix.n(q, j, r)] = eps * problem.time_on(problem.stage_rank[q])[j][r] / scale
     return c
 
 
-def solve_ilp(problem: StageProblem, *, time_limit_s: float = 10.0) -> StageSolution | None:
-    """The optimal split and recompute counts, or None when no split fits; RuntimeError when the solver
-    stops (time limit) without any solution."""
+# HiGHS's work limit: branch-and-bound nodes, not seconds, so that the same problem gets the same answer on an
+# idle and on a loaded machine. The search calls the ILP only for three or more runs of blocks with several
+# chunks per rank (balance.py solves one or two runs exactly, the DP v = 1); on deepseek-v3's two-run problems
+# HiGHS's root node alone (node_limit 1) already reached the optimum in 4 of 4 cases, at 1-2 s each.
+NODE_LIMIT = 200
+
+
+def solve_ilp(problem: StageProblem, *, node_limit: int = NODE_LIMIT) -> StageSolution | None:
+    """The optimal split and recompute counts (the best found within `node_limit` branch-and-bound nodes),
+    or None when no split fits; RuntimeError when the solver stops at the node limit without any solution."""
     ix = _Index(problem)
-    scale = max(max(max(row) for row in problem.time_s), 1e-30)
+    scale = max(max(max(row) for rank in range(problem.num_ranks) for row in problem.time_on(rank)), 1e-30)
     builder = _Builder(ix.num_vars)
     _add_run_totals(builder, ix, problem)
     _add_nonempty(builder, ix)
-    if np.isfinite(problem.mem_limit_bytes):
+    if any(np.isfinite(problem.mem_limit_on(r)) for r in range(problem.num_ranks)):
         _add_memory(builder, ix, problem)
     _add_order(builder, ix, problem)
     _add_time(builder, ix, problem, scale)
     if problem.virtual_stages > 1:
         _add_chunk_time(builder, ix, problem, scale)
+    from scipy.optimize import Bounds, milp
+
     integrality = np.ones(ix.num_vars)
     integrality[ix.t:] = 0
     upper = np.full(ix.num_vars, np.inf)
     upper[ix.num_n:ix.t] = 1.0
     res = milp(_objective(ix, problem, scale), constraints=[builder.constraint()], integrality=integrality,
                bounds=Bounds(np.zeros(ix.num_vars), upper),
-               options={"time_limit": time_limit_s, "mip_rel_gap": 1e-5})
+               options={"node_limit": node_limit, "mip_rel_gap": 1e-5})
     if res.x is None:
         if res.status == 2:  # proven infeasible: no split fits
             return None

@@ -31,10 +31,13 @@ def top_causes(plan: Plan, n: int = 3) -> list[tuple[str, float]]:
 
 
 def _same_except(space: Space, row: int, **changes: int) -> np.ndarray:
-    mask = np.ones(len(space), dtype=bool)
-    for col in COLUMNS:
-        mask &= space.columns[col] == changes.get(col, space.columns[col][row])
-    return np.nonzero(mask)[0]
+    """The rows equal to `row` in every column but those changed (ascending): the first column compared over
+    the whole space, the others over what is left."""
+    first, *rest = COLUMNS
+    rows = np.nonzero(space.columns[first] == changes.get(first, space.columns[first][row]))[0]
+    for col in rest:
+        rows = rows[space.columns[col][rows] == changes.get(col, space.columns[col][row])]
+    return rows
 
 
 def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: ClusterSpec, space: Space, quick: Quick,
@@ -54,18 +57,21 @@ def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: Cluste
     notes += _alternatives("tp", plan, ctx)
     blocks = len(graph.blocks)
     if c.pp > 1:
-        sizes = [sum(1 for n in s.layer_names if n in {b.name for b in graph.blocks}) for s in plan.stages]
+        names = {b.name for b in graph.blocks}
+        sizes = [sum(1 for n in s.layer_names if n in names) for s in plan.stages]
+        mbs = _n(c.num_microbatches(plan.global_batch), "microbatch")
         notes.append(f"pp={c.pp} cuts the {blocks} blocks into {len(plan.stages)} stages ({_sizes(sizes)} blocks) so "
-                     f"each device holds 1/{c.pp} of the weights; with {c.num_microbatches(plan.global_batch)} "
-                     f"microbatches the bubble costs {est.breakdown.pp_bubble / est.step_time_s:.0%} "
+                     f"each device holds 1/{c.pp} of the weights; with {mbs} the bubble costs "
+                     f"{est.breakdown.pp_bubble / est.step_time_s:.0%} "
                      f"(schedule {c.schedule.value}" + (f", v={c.virtual_stages})." if c.virtual_stages > 1 else ")."))
     else:
         notes.append("pp=1: every device holds all the blocks; no pipeline bubble.")
     notes += _alternatives("pp", plan, ctx)
+    notes += _context_and_experts(plan, ctx)
     m = est.memory
-    notes.append(f"Memory per device {est.peak_mem_bytes / GIB:.1f} of {est.mem_capacity_bytes / GIB:.0f} GiB: "
-                 f"weights {m.weights / GIB:.1f}, gradients {m.gradients / GIB:.1f}, optimizer {m.optimizer / GIB:.1f}, "
-                 f"activations {m.activations / GIB:.1f}, reserve {m.reserve / GIB:.1f}.")
+    notes.append(f"Memory per device {est.peak_mem_bytes / GIB:.3g} of {est.mem_capacity_bytes / GIB:.0f} GiB: "
+                 f"weights {m.weights / GIB:.3g}, gradients {m.gradients / GIB:.3g}, optimizer {m.optimizer / GIB:.3g}, "
+                 f"activations {m.activations / GIB:.3g}, reserve {m.reserve / GIB:.3g}.")
     notes += _memory_reasons(plan, space, quick, row)
     if c.dp * c.ep > 1:
         notes.append(f"dp={c.dp}" + (f" x ep={c.ep}" if c.ep > 1 else "") + f" replicas split the global batch of "
@@ -79,22 +85,48 @@ def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: Cluste
     return tuple(notes)
 
 
+def _context_and_experts(plan: Plan, ctx: dict[str, Any]) -> list[str]:
+    """What cp and ep do in this plan, and the best plan found at their other degrees (when searched)."""
+    c, est, out = plan.config, plan.estimate, []
+    if c.cp > 1:
+        out.append(f"cp={c.cp} splits each sequence over {c.cp} devices (2*cp load-balanced chunks), dividing "
+                   f"activations by {c.cp}; the key/value exchange costs {_share(est.breakdown.cp_comm, est)} "
+                   f"of the step.")
+    out += _alternatives("cp", plan, ctx)
+    if c.ep > 1:
+        out.append(f"ep={c.ep} spreads each MoE layer's experts over {c.ep} devices; the token all-to-all costs "
+                   f"{_share(est.breakdown.ep_comm, est)} of the step.")
+    return out + _alternatives("ep", plan, ctx)
+
+
+ALTERNATIVE_AXES = ("tp", "pp", "cp", "ep")  # the degrees the best plan's notes weigh (_alternatives)
+
+
+def alternative_rows(axis: str, space: Space, quick: Quick, row: int, capacity: float) -> list[tuple[int, list[int]]]:
+    """(degree, rows) for each degree of `axis` other than row's: its two quickest candidates that fit by
+    the quick estimate (fewer when fewer fit), whose exact estimates _alternatives weighs."""
+    col = space.columns[axis]
+    fit = np.nonzero(quick.peak_mem_bytes <= capacity)[0]
+    fit_col = col[fit]
+    out = []
+    for value in np.unique(col).tolist():
+        if value == col[row]:
+            continue
+        idx = fit[fit_col == value]
+        out.append((value, idx[np.argsort(quick.step_time_s[idx])[:2]].tolist()))
+    return out
+
+
 def _alternatives(axis: str, plan: Plan, ctx: dict[str, Any]) -> list[str]:
     """Why this degree (for the best plan): at each other degree, the fastest of its two quickest
     fitting candidates by the exact estimate, relative to this plan."""
     space, quick, row, cost = ctx["space"], ctx["quick"], ctx["row"], ctx["cost"]
     if row < 0 or plan.rank != 1 or cost is None:
         return []
-    col = space.columns[axis]
-    fit = quick.peak_mem_bytes <= plan.estimate.mem_capacity_bytes
     parts = []
-    for value in np.unique(col).tolist():
-        if value == col[row]:
-            continue
-        idx = np.nonzero((col == value) & fit)[0]
+    for value, rows in alternative_rows(axis, space, quick, row, plan.estimate.mem_capacity_bytes):
         times = [e.step_time_s for e in (cost.estimate_config(ctx["graph"], ctx["cluster"], space.config(r),
-                                                              global_batch=plan.global_batch)
-                                         for r in idx[np.argsort(quick.step_time_s[idx])[:2]].tolist()) if e.fits]
+                                                              global_batch=plan.global_batch) for r in rows) if e.fits]
         parts.append(f"{axis}={value} " + (f"{min(times) / plan.estimate.step_time_s - 1:+.0%}" if times
                                            else "does not fit"))
     if not parts:
@@ -113,13 +145,13 @@ def _memory_reasons(plan: Plan, space: Space, quick: Quick, row: int) -> list[st
         if len(alt):
             need = float(quick.peak_mem_bytes[alt[0]])
             verdict = "would not fit" if need > cap else "would fit but runs slower here"
-            out.append(f"Recompute ({_mode_summary(plan)}): without it this mesh needs about {need / GIB:.0f} GiB "
+            out.append(f"Recompute ({_mode_summary(plan)}): without it this mesh needs about {need / GIB:.3g} GiB "
                        f"per device, so it {verdict}.")
     if plan.config.zero > 0:
         alt = _same_except(space, row, zero=0)
         if len(alt):
             out.append(f"ZeRO-{plan.config.zero} shards model states over the data-parallel group; unsharded this "
-                       f"mesh needs about {float(quick.peak_mem_bytes[alt[0]]) / GIB:.0f} GiB per device.")
+                       f"mesh needs about {float(quick.peak_mem_bytes[alt[0]]) / GIB:.3g} GiB per device.")
     return out
 
 
@@ -130,6 +162,16 @@ def _mode_summary(plan: Plan) -> str:
     for _, r in plan.layer_recompute:
         over[r.value] = over.get(r.value, 0) + 1
     return f"{plan.config.recompute.value} except " + ", ".join(f"{n} layers {r}" for r, n in over.items())
+
+
+def _share(seconds: float, est: Any) -> str:
+    """A cause's share of the step: whole percent, one decimal under 1 %."""
+    f = seconds / est.step_time_s if est.step_time_s else 0.0
+    return f"{f:.0%}" if f >= 0.01 or f == 0 else f"{f:.1%}"
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else ("es" if noun.endswith("ch") else "s"))
 
 
 def _sizes(sizes: list[int]) -> str:

@@ -1,5 +1,6 @@
 """Per-layer recompute and the pipeline stage split for one configuration: build the StageProblem from
-the cost model's per-layer costs, solve it (ILP, DP fallback), decode it into stages and overrides.
+the cost model's per-layer costs, solve it (exactly by rank balancing or the DP where they apply, else the
+ILP within a fixed node limit: no wall-clock budget anywhere), decode it into stages and overrides.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.search.balance import solve_balanced
+from autoplan.search.hetero import with_rank_costs
 from autoplan.search.ilp import solve_ilp
 from autoplan.search.space import SCHEDULES
 from autoplan.search.stages import StageProblem, StageSolution, evaluate, fits, solve_dp
-from autoplan.search.surrogate import GRAD_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, inflight
+from autoplan.search.surrogate import inflight
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -30,13 +33,10 @@ class Layout:
     solution: StageSolution
 
 
-def _static_bytes(cost: Any, config: ParallelConfig) -> float:
-    """Weights, gradients and optimizer states of one layer under ZeRO (Rajbhandari et al. 2020)."""
-    dense_n = config.dp * config.ep * config.cp
-    shard = cost.grad_param_count / dense_n + cost.expert_param_count / (config.dp * config.cp)
-    full = cost.param_count
-    return ((shard if config.zero >= 3 else full) * WEIGHT_BYTES + (shard if config.zero >= 2 else full) * GRAD_BYTES
-            + (shard if config.zero >= 1 else full) * OPTIMIZER_BYTES)
+def _static_bytes(cost: Any, config: ParallelConfig, cost_model: Any, dtype: str) -> float:
+    """Weights, gradients and optimizer states of one layer under the engine's ZeRO layout: the cost
+    model's own rule (cost.memory.layer_state_bytes)."""
+    return cost_model.layer_state_bytes(cost, config, dtype=dtype)
 
 
 def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
@@ -67,23 +67,32 @@ def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfi
     pinned = [[layer_cost(i, Recompute.NONE) for i in rng] for rng in (range(lo), range(hi + 1, len(graph.layers)))]
     work = max(layer_cost(i, mode).work_mem_bytes if hasattr(layer_cost(i, mode), "work_mem_bytes") else 0
                for i in run_first for mode in modes)
-    # ZeRO-3 holds two layers' gathered 16-bit weights (the one computing and the one prefetched)
-    gathered = 2 * WEIGHT_BYTES * max(c.param_count for c in costs.values()) if config.zero == 3 else 0.0
+    # the reserve, NCCL buffers and ZeRO-3's working set (cost.memory.fixed_memory_bytes)
+    largest = max(c.param_count for c in costs.values())
+    fixed = cost_model.fixed_memory_bytes(config, cluster, max_layer_params=largest, max_param_numel=largest)
+    dtype = cluster.dtype
+
+    def static(c: Any) -> float:
+        return _static_bytes(c, config, cost_model, dtype)
+
     problem = StageProblem(
         run_sizes=tuple(len(r) for r in runs),
         time_s=tuple(tuple(layer_cost(i, mode).time_s for mode in modes) for i in run_first),
-        static_bytes=tuple(_static_bytes(layer_cost(i, modes[0]), config) for i in run_first),
+        static_bytes=tuple(static(layer_cost(i, modes[0])) for i in run_first),
         act_bytes=tuple(tuple(float(layer_cost(i, mode).act_mem_bytes) for mode in modes) for i in run_first),
         num_ranks=config.pp, virtual_stages=config.virtual_stages, inflight=tuple(float(x) for x in f),
         stage_rank=stage_ranks(config),
-        mem_limit_bytes=float(cluster.device.mem_bytes - cluster.device.runtime_reserve_bytes - work - gathered),
+        mem_limit_bytes=float(cluster.device.mem_bytes - fixed - work),
         first_time_s=sum(c.time_s for c in pinned[0]),
-        first_static_bytes=sum(_static_bytes(c, config) for c in pinned[0]),
+        first_static_bytes=sum(static(c) for c in pinned[0]),
         first_act_bytes=float(sum(c.act_mem_bytes for c in pinned[0])),
         last_time_s=sum(c.time_s for c in pinned[1]),
-        last_static_bytes=sum(_static_bytes(c, config) for c in pinned[1]),
+        last_static_bytes=sum(static(c) for c in pinned[1]),
         last_act_bytes=float(sum(c.act_mem_bytes for c in pinned[1])),
     )
+    # heterogeneous clusters: each rank's times and memory limit on its own node group (search/hetero.py)
+    problem = with_rank_costs(problem, graph, cluster, config, modes, cost_model, run_first,
+                              fixed - cluster.device.runtime_reserve_bytes + work)
     return problem, runs
 
 
@@ -120,7 +129,7 @@ def _near_ideal(problem: StageProblem, config: ParallelConfig, modes: tuple[Reco
                 cost_model: Any, tolerance: float = 0.005) -> bool:
     """Whether the balanced split with no recompute fits and is within `tolerance` of the lower bound
     (all work, with each run's fastest option, spread evenly over the ranks)."""
-    if Recompute.NONE not in modes:
+    if Recompute.NONE not in modes or problem.rank_time_s:  # unequal ranks: the even split is no bound
         return False
     total = problem.first_time_s + problem.last_time_s + sum(
         n * min(t) for n, t in zip(problem.run_sizes, problem.time_s))
@@ -151,8 +160,22 @@ def _runs_of(problem: StageProblem, graph: LayerGraph) -> list[list[str]]:
     return out
 
 
+def solve_stages(problem: StageProblem) -> StageSolution | None:
+    """The stage problem's optimum with no time limit: exact by rank balancing for one or two runs of identical
+    blocks (balance.py, any chunks per rank and placement), exact by the DP for one chunk per rank; otherwise
+    the ILP within its node limit, or the DP's (feasible, restricted) answer when HiGHS stops without one."""
+    if len(problem.run_sizes) <= 2:
+        return solve_balanced(problem)
+    if problem.virtual_stages == 1:
+        return solve_dp(problem)
+    try:
+        return solve_ilp(problem)
+    except RuntimeError:  # stopped at the node limit without a solution
+        return solve_dp(problem)
+
+
 def refine(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
-           modes: tuple[Recompute, ...], cost_model: Any, time_limit_s: float = 1.5) -> Layout | None:
+           modes: tuple[Recompute, ...], cost_model: Any) -> Layout | None:
     """The fastest stage split and per-layer recompute for `config` (None when no split fits)."""
     if not any(layer.role is LayerRole.BLOCK for layer in graph.layers):
         return None
@@ -160,8 +183,5 @@ def refine(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, g
                                   cost_model=cost_model)
     if config.recompute is Recompute.NONE and _near_ideal(problem, config, modes, graph, cost_model):
         return None  # already within 0.5 % of a perfectly even split with no recompute: nothing to gain
-    try:
-        solution = solve_ilp(problem, time_limit_s=time_limit_s)
-    except RuntimeError:  # the solver stopped without any solution: the DP's (exact for v = 1), if small
-        solution = solve_dp(problem) if problem.num_stages <= 16 else None
+    solution = solve_stages(problem)
     return None if solution is None else decode(graph, config, runs, solution, modes)

@@ -5,8 +5,8 @@ refine stages and per-layer recompute (ILP) -> rank -> explain. Nothing here rea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -15,17 +15,26 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute, Stage
-from autoplan.search.notes import nothing_fits_message, plan_notes
+from autoplan.plan.types import Estimate, ParallelConfig, Plan, Recompute
+from autoplan.search.hetero import group_notes, plan_stages
+from autoplan.search.memo import MemoCost
+from autoplan.search.notes import ALTERNATIVE_AXES, alternative_rows, nothing_fits_message, plan_notes
+from autoplan.search.parallel import run_parts
 from autoplan.search.refine import refine
-from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space
-from autoplan.search.surrogate import Quick, quick_estimate
+from autoplan.search.space import RECOMPUTES, SearchOptions, Space, enumerate_space, token_free_restriction
+from autoplan.search.surrogate import Quick, quick_estimate, split_by_layer_key
+from autoplan.search.ties import fold_ties
 
 QUICK_MEM_SLACK = 1.05  # the quick memory estimate mirrors the exact one (checked to 0.1 %); the exact one decides
 SHORTLIST = 32  # candidates per round of exact estimates
-MAX_EXACT = 160  # at most this many exact estimates
+MAX_EXACT = 160  # at most this many exact estimates of candidates that fit by the quick estimate (and half as many just over)
 STOP_MARGIN = 1.02  # stop once the next quick estimate is this much slower than the k-th exact time
-REFINE_BUDGET_S = 3.0
+# Spaces of at least QUICK_SPLIT_MIN candidates get their quick estimates in QUICK_PARTS pieces of whole
+# layer-table keys, run side by side on the usable cores (parallel.run_parts). Both are fixed numbers, so the
+# pieces, and every figure, are the same on any machine (and bitwise equal to one piece: a test).
+QUICK_PARTS = 2
+QUICK_SPLIT_MIN = 20_000
+PARALLEL_MIN_ITEMS = 4  # exact estimates and refinements in two fixed halves from this many on
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,51 +54,126 @@ def _rank_key(cand: Any) -> tuple:
     return (float(f"{est.step_time_s:.9g}"), c.cp, c.ep, c.tp, c.pp, est.peak_mem_bytes)
 
 
-def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, cost_model: Any = None) -> tuple[Plan, ...]:
-    """The top_k fitting plans, fastest first; ValueError (with the overflow and the remedies) if none fits."""
-    cost = cost_model or importlib.import_module("autoplan.cost")
+def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, cost_model: Any = None,
+           record: dict[str, Any] | None = None) -> tuple[Plan, ...]:
+    """The top_k fitting plans, fastest first, ties folded (search.ties); ValueError (with the overflow and
+    the remedies) if none fits. `record`, when given, receives the candidates: "quick" (the quick estimate
+    of every candidate) and "exact" (the exactly estimated, fitting ones), for a Pareto plot."""
+    cost = MemoCost(cost_model or importlib.import_module("autoplan.cost"))  # each exact estimate made once
+    options, restricted = token_free_restriction(graph, options)
     with _status(options.progress) as status:
         status(f"enumerating configurations for {cluster.num_devices} devices")
         space = enumerate_space(graph, cluster, options)
         if not len(space):
             raise ValueError(_empty_space_message(graph, cluster, options))
         status(f"quick estimates of {len(space):,} candidates")
-        quick = quick_estimate(graph, cluster, space, options.global_batch, cost)
+        quick = _quick_estimates(graph, cluster, space, options.global_batch, cost)
         found = _exact_rounds(graph, cluster, space, quick, options, cost, status)
         if options.use_ilp:
             found = _refine_best(graph, cluster, space, quick, found, options, cost, status)
+        if record is not None:
+            record.update(quick=quick, exact=list(found))
         if not found:
             raise ValueError(nothing_fits_message(graph, cluster, space, quick, options, cost))
-    ranked = sorted(found, key=_rank_key)[:options.top_k]
-    plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost) for i, cand in enumerate(ranked)]
-    return tuple(replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost))
-                 for p, cand in zip(plans, ranked))
+    ranked = fold_ties(sorted(found, key=_rank_key))[:options.top_k]
+    plans = [_to_plan(graph, cluster, options, cand, rank=i + 1, cost=cost, folded=folded)
+             for i, (cand, folded) in enumerate(ranked)]
+    pairs = list(zip(plans, ranked))
+
+    def noted(part: list) -> list[Plan]:
+        return [replace(p, notes=plan_notes(p, plans, graph, cluster, space, quick, cand.row, cost)
+                        + group_notes(p, graph, cluster) + ((restricted,) if restricted else ()))
+                for p, (cand, _) in part]
+
+    # the best plan's notes weigh the alternatives: their exact estimates first, over the cores
+    _estimate_alternatives(graph, cluster, space, quick, plans[0], ranked[0][0].row, options, cost)
+    return tuple(noted(pairs))
+
+
+def _estimate_alternatives(graph, cluster, space: Space, quick: Quick, best: Plan, row: int, options, cost) -> None:
+    """The exact estimates the best plan's notes will ask for (notes.alternative_rows), made in two halves
+    side by side and kept in the search's memo (cost: a MemoCost)."""
+    if row < 0:
+        return
+    rows = list(dict.fromkeys(r for axis in ALTERNATIVE_AXES
+                              for _, some in alternative_rows(axis, space, quick, row, best.estimate.mem_capacity_bytes)
+                              for r in some))
+
+    def exact(part: list[int]) -> list[tuple[int, Estimate]]:
+        return [(r, cost.estimate_config(graph, cluster, space.config(r), global_batch=options.global_batch))
+                for r in part]
+
+    for r, est in (pair for part in run_parts(exact, _halves(rows)) for pair in part):
+        cost.remember(graph, cluster, space.config(r), est, global_batch=options.global_batch)
+
+
+def _quick_estimates(graph: LayerGraph, cluster: ClusterSpec, space: Space, global_batch: int, cost: Any) -> Quick:
+    """quick_estimate of every candidate; large spaces in QUICK_PARTS pieces side by side (each candidate's
+    estimate depends on its own row only, so the pieces put together are the whole)."""
+    if len(space) < QUICK_SPLIT_MIN:
+        return quick_estimate(graph, cluster, space, global_batch, cost)
+    pieces = split_by_layer_key(space, QUICK_PARTS)
+    parts = run_parts(lambda rows: quick_estimate(graph, cluster, space.take(rows), global_batch, cost), pieces)
+    merged = {}
+    for f in dataclasses.fields(Quick):
+        column = np.empty(len(space), dtype=np.asarray(getattr(parts[0], f.name)).dtype)
+        for rows, part in zip(pieces, parts):
+            column[rows] = getattr(part, f.name)
+        merged[f.name] = column
+    return Quick(**merged)
 
 
 def _exact_rounds(graph, cluster, space: Space, quick: Quick, options, cost, status) -> list[Candidate]:
     """Exact estimates of the quickest plausible candidates, in rounds, until top_k fit and the next
-    candidate's quick estimate is clearly slower than the k-th best exact time."""
+    candidate's quick estimate is clearly slower than the k-th best exact time: first those the quick
+    estimate says fit, then those it puts just over the memory (within QUICK_MEM_SLACK) that could still
+    beat the k-th best, so that candidates which cannot fit never use up the budget."""
     cap = cluster.device.mem_bytes
-    plausible = np.nonzero(quick.peak_mem_bytes <= cap * QUICK_MEM_SLACK)[0]
-    if len(plausible) > MAX_EXACT:
-        plausible = plausible[np.argpartition(quick.step_time_s[plausible], MAX_EXACT)[:MAX_EXACT]]
-    order = plausible[np.argsort(quick.step_time_s[plausible], kind="stable")]
-    found: list[Candidate] = []
-    done = 0
+    sure = np.nonzero(quick.peak_mem_bytes <= cap)[0]
+    found = _rounds(graph, cluster, space, quick, options, cost, status, _quickest(quick, sure, MAX_EXACT), [])
+    marginal = np.nonzero((quick.peak_mem_bytes > cap) & (quick.peak_mem_bytes <= cap * QUICK_MEM_SLACK))[0]
+    if len(found) >= options.top_k:
+        kth = sorted(c.estimate.step_time_s for c in found)[options.top_k - 1]
+        marginal = marginal[quick.step_time_s[marginal] < kth * STOP_MARGIN]
+    return _rounds(graph, cluster, space, quick, options, cost, status, _quickest(quick, marginal, MAX_EXACT // 2),
+                   found)
+
+
+def _quickest(quick: Quick, rows: np.ndarray, limit: int) -> np.ndarray:
+    """At most `limit` of `rows`, the quickest first (ties in row order)."""
+    if len(rows) > limit:
+        rows = rows[np.argpartition(quick.step_time_s[rows], limit)[:limit]]
+    return rows[np.lexsort((rows, quick.step_time_s[rows]))]
+
+
+def _rounds(graph, cluster, space: Space, quick: Quick, options, cost, status, order: np.ndarray,
+            found: list[Candidate]) -> list[Candidate]:
+    found, done = list(found), 0
     while done < len(order):
         if len(found) >= options.top_k:
             kth = sorted(c.estimate.step_time_s for c in found)[options.top_k - 1]
             if quick.step_time_s[order[done]] > kth * STOP_MARGIN:
                 break
-        batch = order[done:done + SHORTLIST]
+        batch = order[done:done + SHORTLIST].tolist()
         status(f"exact estimates {done + 1}-{done + len(batch)} of {len(order):,} plausible candidates")
-        for row in batch.tolist():
-            config = space.config(row)
-            est = cost.estimate_config(graph, cluster, config, global_batch=options.global_batch)
-            if est.fits:
-                found.append(Candidate(config=config, estimate=est, row=row))
+
+        def exact(rows: list[int]) -> list[Candidate]:
+            return [Candidate(config=space.config(r), estimate=cost.estimate_config(
+                graph, cluster, space.config(r), global_batch=options.global_batch), row=r) for r in rows]
+
+        for cand in (c for part in run_parts(exact, _halves(batch)) for c in part):
+            cost.remember(graph, cluster, cand.config, cand.estimate, global_batch=options.global_batch)
+            found += [cand] if cand.estimate.fits else []
         done += len(batch)
     return found
+
+
+def _halves(items: list) -> list[list]:
+    """Two fixed pieces (first half, second half) for run_parts, or one when there is little to split."""
+    if len(items) < PARALLEL_MIN_ITEMS:
+        return [items]
+    half = (len(items) + 1) // 2
+    return [items[:half], items[half:]]
 
 
 def _refine_best(graph, cluster, space: Space, quick: Quick, found: list[Candidate], options, cost,
@@ -108,22 +192,26 @@ def _refine_best(graph, cluster, space: Space, quick: Quick, found: list[Candida
     else:
         piped = np.nonzero(space.columns["pp"] > 1)[0]
         todo = piped[np.argsort(quick.peak_mem_bytes[piped])][:2 * options.top_k].tolist()
+    todo = list(dict.fromkeys(todo))  # a fixed amount of work: every one of them
+    status(f"stage split and per-layer recompute of {len(todo)} candidates")
+
+    def refined(rows: list[int]) -> list[Candidate]:
+        out = []
+        for row in rows:
+            layout = refine(graph, cluster, space.config(row), global_batch=options.global_batch,
+                            modes=options.recompute, cost_model=cost)
+            if layout is not None:
+                est = cost.estimate_config(graph, cluster, layout.config, global_batch=options.global_batch,
+                                           stages=layout.stages, layer_recompute=dict(layout.layer_recompute))
+                out.append(Candidate(config=layout.config, estimate=est, stages=layout.stages,
+                                     layer_recompute=layout.layer_recompute, row=row))
+        return out
+
     seen = {(c.config, c.stages, c.layer_recompute) for c in found}
-    start = time.perf_counter()
-    for n, row in enumerate(dict.fromkeys(todo)):
-        if time.perf_counter() - start > REFINE_BUDGET_S:
-            break
-        status(f"stage split and per-layer recompute (ILP) {n + 1}/{len(todo)}")
-        layout = refine(graph, cluster, space.config(row), global_batch=options.global_batch,
-                        modes=options.recompute, cost_model=cost)
-        if layout is None or (layout.config, layout.stages, layout.layer_recompute) in seen:
-            continue
-        seen.add((layout.config, layout.stages, layout.layer_recompute))
-        est = cost.estimate_config(graph, cluster, layout.config, global_batch=options.global_batch,
-                                   stages=layout.stages, layer_recompute=dict(layout.layer_recompute))
-        if est.fits:
-            found.append(Candidate(config=layout.config, estimate=est, stages=layout.stages,
-                                   layer_recompute=layout.layer_recompute, row=row))
+    for cand in (c for part in run_parts(refined, _halves(todo)) for c in part):  # in todo's order
+        if (cand.config, cand.stages, cand.layer_recompute) not in seen:
+            seen.add((cand.config, cand.stages, cand.layer_recompute))
+            found += [cand] if cand.estimate.fits else []
     return _dedupe(found)
 
 
@@ -138,20 +226,23 @@ def _dedupe(found: list[Candidate]) -> list[Candidate]:
 
 
 def _to_plan(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, cand: Candidate, *, rank: int,
-             cost: Any) -> Plan:
-    stages = cand.stages or tuple(cost.balanced_stages(graph, cand.config))
+             cost: Any, folded: tuple[str, ...] = ()) -> Plan:
+    # the split that was priced, with each stage's node group (search/hetero.py)
+    stages = plan_stages(graph, cluster, cand.config, cand.stages, cost, options.global_batch)
     return Plan(config=cand.config, estimate=cand.estimate, model_name=graph.model_name, cluster_name=cluster.name,
                 num_devices=cluster.num_devices, global_batch=options.global_batch, seq_len=graph.seq_len,
-                stages=tuple(Stage(index=i, layer_names=tuple(s)) for i, s in enumerate(stages)),
-                layer_recompute=cand.layer_recompute, rank=rank)
+                stages=stages,
+                layer_recompute=cand.layer_recompute, rank=rank, folded=folded,
+                sample_shape=() if graph.vocab_size else getattr(graph, "input_shape", ()))
 
 
 def _empty_space_message(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions) -> str:
     n = cluster.num_devices
     return (f"no parallel configuration of {n} devices divides global batch {options.global_batch} "
             f"(dp*ep replicas must divide it; pp <= {len(graph.blocks)} blocks; tp must divide a node of "
-            f"{cluster.devices_per_node} and the heads; cp must divide seq_len {graph.seq_len}): use a global batch "
-            f"that is a multiple of a divisor of {n}, or relax the fixed degrees")
+            f"{cluster.devices_per_node}, the heads, the FFN width and the vocabulary of {graph.vocab_size}; "
+            f"2*cp must divide seq_len {graph.seq_len}): use a global batch that is a multiple of a divisor of {n}, "
+            f"or relax the fixed degrees")
 
 
 @contextlib.contextmanager

@@ -7,18 +7,24 @@ legal combination is listed; pruning happens in search.py on predicted costs, by
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import lru_cache
 
 import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+from autoplan.search.folding import expert_layouts, with_expert_layouts
+from autoplan.search.hetero import stage_fits_groups
 
 SCHEDULES = tuple(Schedule)
 RECOMPUTES = tuple(Recompute)
-COLUMNS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute")
+COLUMNS = ("tp", "pp", "dp", "cp", "ep", "sp", "zero", "microbatch", "schedule", "virtual_stages", "recompute",
+           "etp", "eep")  # etp / eep: 0 = the experts follow the dense layout (MoE folding: search/folding.py)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -38,6 +44,12 @@ class SearchOptions:
     schedules: tuple[Schedule, ...] = SCHEDULES
     recompute: tuple[Recompute, ...] = RECOMPUTES
     max_virtual_stages: int = 8
+    max_tp: int | None = None  # tp at most this (with tp=None: every tp up to it)
+    # MoE parallel folding (search/folding.py): expert tensor- and expert-parallel degrees of folded
+    # candidates, beside the unfolded ones. etp defaults to 1, the folded layouts the executor runs
+    etp: tuple[int, ...] | None = (1,)
+    eep: tuple[int, ...] | None = None
+    fold_experts: bool = True
     use_ilp: bool = True  # refine per-layer recompute and the stage split of the best candidates
     progress: bool = False  # a rich status line on stderr
 
@@ -46,8 +58,12 @@ class SearchOptions:
             raise ValueError(f"global_batch must be a positive integer, got {self.global_batch!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1:
             raise ValueError(f"top_k must be a positive integer, got {self.top_k!r}")
-        for name in ("tp", "pp", "dp", "cp", "ep", "microbatch"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "microbatch", "etp", "eep"):
             object.__setattr__(self, name, _as_degrees(name, getattr(self, name)))
+        for name in ("max_virtual_stages", "max_tp"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
         zero = _as_tuple(self.zero)
         for z in zero:
             if isinstance(z, bool) or z not in (0, 1, 2, 3):
@@ -85,54 +101,82 @@ def _parse(enum_type: type, value: object, what: str) -> object:
         raise ValueError(f"unknown {what} {value!r}: choose one of {known}") from None
 
 
+def token_free_restriction(graph: LayerGraph, options: SearchOptions) -> tuple[SearchOptions, str]:
+    """The search space a model without tokens (its input an image: LayerGraph.input_shape of rank > 1) is
+    run in, and why (empty for other models). autoplan's executor runs such a model as a chain of its modules
+    (execute/runner.py): no context or sequence parallelism (its positions are made inside its forward, which
+    a sequence split cannot reach). Blocks that are not recognised transformer blocks (convolutions: no heads,
+    no token sequence) add: no tensor parallelism, no selective recompute (no attention core), no experts;
+    left are data parallelism and ZeRO, pipeline stages over the blocks, full recompute and the microbatch.
+    ValueError when a restriction the caller fixed leaves nothing."""
+    if len(graph.input_shape) < 2:
+        return options, ""
+    transformer = all(b.hidden_size and b.num_heads for b in graph.blocks)
+    keep: dict[str, tuple] = {"cp": (1,), "sp": (False,)}
+    if not transformer:
+        keep.update(tp=(1,), ep=(1,), recompute=(Recompute.NONE, Recompute.FULL))
+    changes = {}
+    for name, allowed in keep.items():
+        given = getattr(options, name)
+        chosen = allowed if given is None else tuple(v for v in given if v in allowed)
+        if not chosen:
+            raise ValueError(f"{name}={list(given)}: {graph.model_name} takes {graph.input_shape} inputs, not tokens"
+                             + ("" if transformer else ", and its blocks are not transformer blocks")
+                             + f": it runs with {name} in {[getattr(v, 'value', v) for v in allowed]}")
+        changes[name] = chosen
+    if transformer:
+        what, refused = "data parallelism / ZeRO, tensor parallelism, pipeline stages over its blocks, recompute", \
+            "context or sequence parallelism"
+    else:
+        what, refused = "data parallelism / ZeRO, pipeline stages over its blocks, full recompute", \
+            "tensor, context or sequence parallelism, selective recompute: its blocks are not transformer blocks"
+    note = (f"{graph.model_name} takes inputs of shape {graph.input_shape}, not tokens: searched over {what} and "
+            f"the microbatch (no {refused}; autoplan's executor runs such a model as a chain of its modules, "
+            f"which make their positions inside their forward).")
+    return replace(options, **changes), note
+
+
+@lru_cache(maxsize=4096)
 def divisors(n: int) -> tuple[int, ...]:
-    return tuple(d for d in range(1, n + 1) if n % d == 0)
+    """The divisors of n, ascending (pairs d, n // d up to sqrt(n): enumerate_space asks for each mesh's
+    per-replica batch)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ModelLimits:
-    """What the model allows: tp must divide every block's heads, kv heads and ffn width; ep the experts."""
-
-    num_blocks: int
-    tp_divides: tuple[int, ...]
-    num_experts: int
-
-    @classmethod
-    def of(cls, graph: LayerGraph) -> ModelLimits:
-        blocks = graph.blocks or graph.layers
-        sizes = {v for b in blocks for v in (b.num_heads, b.num_kv_heads, b.ffn_hidden_size) if v > 0}
-        experts = {b.num_experts for b in blocks if b.num_experts > 0}
-        if len(experts) > 1:
-            raise ValueError(f"layers have different expert counts {sorted(experts)}: ep cannot divide them all")
-        return cls(num_blocks=len(blocks), tp_divides=tuple(sorted(sizes)), num_experts=min(experts, default=0))
+def _fits(graph: LayerGraph, config: ParallelConfig, global_batch: int | None = None,
+          sizes: tuple[dict[str, int], ...] | None = None) -> bool:
+    return not graph.divisibility_errors(config, global_batch=global_batch, sizes=sizes)
 
 
 def mesh_shapes(
     graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions
 ) -> tuple[tuple[int, int, int, int, int], ...]:
-    """(tp, pp, dp, cp, ep) with product = devices; tp inside a node dividing heads / kv heads / ffn,
-    ep dividing the experts (1 for dense models), 2*cp dividing seq_len (cp > 1), pp <= blocks, dp*ep dividing the
-    global batch (else no microbatch works)."""
-    limits = ModelLimits.of(graph)
-    n = cluster.num_devices
-    node = cluster.devices_per_node
-    tps = [t for t in divisors(node) if all(s % t == 0 for s in limits.tp_divides)]
-    eps = divisors(limits.num_experts) if limits.num_experts else (1,)
+    """(tp, pp, dp, cp, ep) with product = devices and tp inside a node, that divide the model as
+    plan.layout.divisibility_errors says (the executor refuses the rest with the same function): tp the
+    heads, kv heads, FFN width and vocabulary; ep the routed experts; 2*cp the sequence (cp > 1); pp the
+    blocks (pp <= blocks); dp*ep the global batch. Each rule involves one degree (or dp*ep), so each degree
+    is filtered on its own and the product is checked once more."""
+    n, experts = cluster.num_devices, max((b.num_experts for b in graph.blocks), default=0)
+    sizes = graph.divisibility_sizes()
+    tps = [t for t in _allowed(divisors(cluster.devices_per_node), options.tp)
+           if _fits(graph, ParallelConfig(tp=t), sizes=sizes) and (options.max_tp is None or t <= options.max_tp)]
+    eps = [e for e in _allowed(divisors(experts) if experts else (1,), options.ep)
+           if _fits(graph, ParallelConfig(ep=e), sizes=sizes)]
+    cps = [c for c in _allowed(divisors(graph.seq_len), options.cp) if _fits(graph, ParallelConfig(cp=c), sizes=sizes)]
     out = []
-    for tp in _allowed(tps, options.tp):
-        for ep in _allowed(eps, options.ep):
-            # cp > 1 splits the sequence into 2*cp load-balanced chunks (execute/context.py), so 2*cp | seq_len
-            cps = [c for c in divisors(graph.seq_len) if c == 1 or graph.seq_len % (2 * c) == 0]
-            for cp in _allowed(cps, options.cp):
-                inner = tp * ep * cp
-                if n % inner:
-                    continue
-                for pp in _allowed(divisors(n // inner), options.pp):
-                    dp = n // (inner * pp)
-                    if pp > limits.num_blocks or (options.dp is not None and dp not in options.dp):
-                        continue
-                    if options.global_batch % (dp * ep) == 0:
-                        out.append((tp, pp, dp, cp, ep))
+    for tp, ep, cp in itertools.product(tps, eps, cps):
+        inner = tp * ep * cp
+        if n % inner:
+            continue
+        for pp in _allowed(divisors(n // inner), options.pp):
+            dp = n // (inner * pp)
+            if options.dp is not None and dp not in options.dp:
+                continue
+            if not stage_fits_groups(cluster, dp * ep * cp * tp, tp):  # heterogeneous: search/hetero.py
+                continue
+            if _fits(graph, ParallelConfig(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep), options.global_batch, sizes):
+                out.append((tp, pp, dp, cp, ep))
     return tuple(out)
 
 
@@ -143,7 +187,8 @@ def _allowed(values: Iterable[int], restrict: tuple[int, ...] | None) -> list[in
 def schedule_choices(pp: int, num_blocks: int, options: SearchOptions) -> tuple[tuple[Schedule, int], ...]:
     """(schedule, virtual stages). With pp = 1 every schedule is the same computation: 1F1B stands for
     all. Interleaved needs v >= 2 dividing blocks // pp (Megatron's rule, Narayanan et al. 2021); the
-    zero-bubble schedule runs as ZB-H1 (v = 1) or ZB-V (v = 2; Qi et al. 2024)."""
+    zero-bubble schedule runs as ZB-H1 (v = 1) or ZB-V (v = 2; Qi et al. 2024); pp * v <= blocks (plan.layout
+    divisibility_errors: at least one block per stage) holds for both."""
     if pp == 1:
         return ((Schedule.ONE_F_ONE_B, 1),)
     out: list[tuple[Schedule, int]] = []
@@ -173,6 +218,7 @@ class Space:
             tp=c["tp"], pp=c["pp"], dp=c["dp"], cp=c["cp"], ep=c["ep"], sp=bool(c["sp"]), zero=c["zero"],
             microbatch=c["microbatch"], schedule=SCHEDULES[c["schedule"]],
             virtual_stages=c["virtual_stages"], recompute=RECOMPUTES[c["recompute"]],
+            etp=c.get("etp", 0), eep=c.get("eep", 0),
         )
 
     def take(self, index: np.ndarray) -> Space:
@@ -180,14 +226,18 @@ class Space:
 
 
 def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions) -> Space:
-    """Every legal candidate: mesh x microbatch x (schedule, v) x recompute x zero x sp."""
-    num_blocks = ModelLimits.of(graph).num_blocks
+    """Every legal candidate: mesh x microbatch x (schedule, v) x recompute x zero x sp (a model without tokens:
+    what token_free_restriction leaves)."""
+    options, _ = token_free_restriction(graph, options)
+    num_blocks = len(graph.blocks)
     recomputes = [RECOMPUTES.index(r) for r in options.recompute]
     blocks: list[np.ndarray] = []
     for tp, pp, dp, cp, ep in mesh_shapes(graph, cluster, options):
         per_replica = options.global_batch // (dp * ep)
         mbs = _allowed(divisors(per_replica), options.microbatch)
-        zeros = [z for z in options.zero if dp * ep > 1 or z == 0]  # nothing to shard over one replica
+        # ZeRO shards over the dense data-parallel group dp*ep*cp (plan.layout.zero_layout): nothing to shard
+        # over one rank
+        zeros = [z for z in options.zero if dp * ep * cp > 1 or z == 0]
         sps = [int(s) for s in options.sp if tp > 1 or not s]
         scheds = [(SCHEDULES.index(s), v) for s, v in schedule_choices(pp, num_blocks, options)]
         if not (mbs and zeros and sps and scheds and recomputes):
@@ -204,6 +254,23 @@ def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOpti
         rows[:, 8] = sched_v[:, 0]
         rows[:, 9] = sched_v[:, 1]
         rows[:, 10] = grid[:, 2]
-        blocks.append(rows)
+        rows[:, 11:] = 0
+        rows = rows[_schedule_runs(rows, per_replica, pp)]
+        blocks += with_expert_layouts(rows, expert_layouts(graph, options, tp, pp, dp, cp, ep, cluster.devices_per_node))
     table = np.concatenate(blocks) if blocks else np.zeros((0, len(COLUMNS)), dtype=np.int64)
     return Space({name: table[:, i] for i, name in enumerate(COLUMNS)})
+
+
+def _schedule_runs(rows: np.ndarray, per_replica: int, pp: int) -> np.ndarray:
+    """Rows whose (schedule, virtual stages, microbatches) the executor's schedule accepts: plan.layout
+    schedule_errors in numpy (1F1B needs m >= pp; looped interleaved / zero bubble need m a multiple of
+    max(1, m // pp))."""
+    if pp == 1:
+        return np.ones(len(rows), dtype=bool)
+    m = per_replica // rows[:, 7]
+    sched, v = rows[:, 8], rows[:, 9]
+    one_f_one_b = sched == SCHEDULES.index(Schedule.ONE_F_ONE_B)
+    looped = (sched == SCHEDULES.index(Schedule.INTERLEAVED)) | ((sched == SCHEDULES.index(Schedule.ZERO_BUBBLE))
+                                                                  & (v != 2))
+    rounds = np.maximum(1, m // pp)
+    return ~((one_f_one_b & (m < pp)) | (looped & (m % rounds != 0)))

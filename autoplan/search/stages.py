@@ -22,7 +22,12 @@ class StageProblem:
 
     Stage q runs on rank stage_rank[q] (autoplan.plan.layout.stage_ranks: looped q % num_ranks unless
     the schedule places its chunks in a V). Rank r holds `inflight[r]` microbatches of activations.
-    `first_*` (embedding, ...) sit on stage 0, `last_*` (norm, head) on stage S - 1."""
+    `first_*` (embedding, ...) sit on stage 0, `last_*` (norm, head) on stage S - 1.
+
+    Heterogeneous devices (additive): `rank_time_s[rank]` replaces time_s on that rank ([rank][run]
+    [option]) and `rank_mem_limit_bytes[rank]` its memory limit (search/hetero.py fills them from each
+    rank's node group; first_time_s / last_time_s are then the times on the ranks holding them).
+    Read them through time_on(rank) and mem_limit_on(rank)."""
 
     run_sizes: tuple[int, ...]
     time_s: tuple[tuple[float, ...], ...]  # [run][option]
@@ -39,6 +44,8 @@ class StageProblem:
     last_static_bytes: float = 0.0
     last_act_bytes: float = 0.0
     stage_rank: tuple[int, ...] = ()  # [stage]; () means looped, q % num_ranks
+    rank_time_s: tuple[tuple[tuple[float, ...], ...], ...] = ()  # [rank][run][option]; () means time_s
+    rank_mem_limit_bytes: tuple[float, ...] = ()  # [rank]; () means mem_limit_bytes
 
     def __post_init__(self) -> None:
         if not self.stage_rank:
@@ -52,6 +59,16 @@ class StageProblem:
             raise ValueError(f"inflight has {len(self.inflight)} entries for {self.num_ranks} ranks")
         if self.num_stages > sum(self.run_sizes):
             raise ValueError(f"{self.num_stages} stages for {sum(self.run_sizes)} blocks: at most one stage per block")
+        for name in ("rank_time_s", "rank_mem_limit_bytes"):
+            if getattr(self, name) and len(getattr(self, name)) != self.num_ranks:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {self.num_ranks} ranks")
+
+    def time_on(self, rank: int) -> tuple[tuple[float, ...], ...]:
+        """[run][option] block times on pipeline rank `rank`."""
+        return self.rank_time_s[rank] if self.rank_time_s else self.time_s
+
+    def mem_limit_on(self, rank: int) -> float:
+        return self.rank_mem_limit_bytes[rank] if self.rank_mem_limit_bytes else self.mem_limit_bytes
 
     @property
     def num_stages(self) -> int:
@@ -85,13 +102,12 @@ def evaluate(problem: StageProblem, counts: Counts, method: str = "") -> StageSo
     if (arr.sum(axis=(1, 2)) < 1).any():
         raise ValueError("every stage needs at least one block")
     _check_order(arr.sum(axis=2), problem.run_sizes)
-    t = np.asarray(problem.time_s)
     a = np.asarray(problem.act_bytes)
     st = np.asarray(problem.static_bytes)
     times, mems = np.zeros(p), np.zeros(p)
     for q in range(s_total):
         r = problem.stage_rank[q]
-        times[r] += (arr[q] * t).sum()
+        times[r] += (arr[q] * np.asarray(problem.time_on(r))).sum()
         mems[r] += (arr[q].sum(axis=1) * st).sum() + problem.inflight[r] * (arr[q] * a).sum()
     times[0] += problem.first_time_s
     mems[0] += problem.first_static_bytes + problem.inflight[0] * problem.first_act_bytes
@@ -113,7 +129,7 @@ def _check_order(per_stage_run: np.ndarray, run_sizes: tuple[int, ...]) -> None:
 
 
 def fits(problem: StageProblem, solution: StageSolution) -> bool:
-    return max(solution.rank_mem_bytes) <= problem.mem_limit_bytes * (1 + 1e-9)
+    return all(mem <= problem.mem_limit_on(r) * (1 + 1e-9) for r, mem in enumerate(solution.rank_mem_bytes))
 
 
 @lru_cache(maxsize=256)
@@ -121,8 +137,9 @@ def _compositions(k: int, r: int) -> np.ndarray:
     """All ways to write k as an ordered sum of r non-negative integers, shape [n, r]."""
     if r == 1:
         return np.array([[k]], dtype=np.int64)
-    rows = [(i,) + tuple(rest) for i in range(k + 1) for rest in _compositions(k - i, r - 1).tolist()]
-    return np.array(rows, dtype=np.int64)
+    parts = [np.concatenate([np.full((len(rest), 1), i, dtype=np.int64), rest], axis=1)
+             for i in range(k + 1) for rest in (_compositions(k - i, r - 1),)]
+    return np.concatenate(parts)
 
 
 def _pareto(time: np.ndarray, mem: np.ndarray, choice: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -135,14 +152,15 @@ def _pareto(time: np.ndarray, mem: np.ndarray, choice: np.ndarray) -> tuple[np.n
     return time[keep], mem[keep], choice[keep]
 
 
-def _segment_cost(problem: StageProblem, ks: tuple[int, ...], factor: float, budget: float) -> tuple[float, tuple]:
-    """Fastest option counts for ks[j] blocks of each run under `budget` bytes (exact, by enumeration of
-    each run's compositions and a Pareto merge). Returns (inf, ()) when nothing fits."""
+def _segment_cost(problem: StageProblem, ks: tuple[int, ...], factor: float, budget: float,
+                  rank: int = 0) -> tuple[float, tuple]:
+    """Fastest option counts for ks[j] blocks of each run on `rank` under `budget` bytes (exact, by
+    enumeration of each run's compositions and a Pareto merge). Returns (inf, ()) when nothing fits."""
     r = problem.num_options
     time, mem, choice = np.zeros(1), np.zeros(1), np.zeros((1, 0), dtype=np.int64)
     for j, k in enumerate(ks):
         comp = _compositions(k, r)
-        t = comp @ np.asarray(problem.time_s[j])
+        t = comp @ np.asarray(problem.time_on(rank)[j])
         m = comp @ (np.asarray(problem.act_bytes[j]) * factor) + k * problem.static_bytes[j]
         tt = (time[:, None] + t[None, :]).ravel()
         mm = (mem[:, None] + m[None, :]).ravel()
@@ -179,7 +197,7 @@ def solve_dp(problem: StageProblem) -> StageSolution | None:
         fixed_t = problem.first_time_s * first + problem.last_time_s * last
         fixed_m = (problem.first_static_bytes + problem.inflight[rank] * problem.first_act_bytes) * first + (
             problem.last_static_bytes + problem.inflight[rank] * problem.last_act_bytes) * last
-        budget = problem.mem_limit_bytes / problem.virtual_stages - fixed_m
+        budget = problem.mem_limit_on(rank) / problem.virtual_stages - fixed_m
         remaining = s_total - q - 1
         for c in range(q, n - remaining):
             if best[q][c] == inf:
@@ -187,9 +205,10 @@ def solve_dp(problem: StageProblem) -> StageSolution | None:
             stops = [n] if last else range(c + 1, n - remaining + 1)
             for stop in stops:
                 ks = _run_counts(problem.run_sizes, c, stop)
-                key = (ks, problem.inflight[rank], budget)
+                times = rank if problem.rank_time_s else 0  # ranks share one time table when homogeneous
+                key = (ks, problem.inflight[rank], budget, times)
                 if key not in cache:
-                    cache[key] = _segment_cost(problem, ks, problem.inflight[rank], budget)
+                    cache[key] = _segment_cost(problem, ks, problem.inflight[rank], budget, rank)
                 seg_t, seg_choice = cache[key]
                 value = max(best[q][c], seg_t + fixed_t)
                 if value < best[q + 1][stop]:

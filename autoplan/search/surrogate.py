@@ -1,9 +1,9 @@
 """A fast, vectorised first estimate of every candidate, to choose which ones the exact cost model sees.
 
-Per-layer costs come from the cost model (`estimate_layer`, once per kind of layer and per distinct
-(tp, cp, ep, sp, microbatch, recompute)); the assembly into a step time and a peak memory uses the
-published approximations below, in numpy over all candidates at once. Final numbers never come from
-here: search.py re-estimates the shortlist with `estimate_config`.
+Per-layer costs come from the cost model (`estimate_layer`, once per kind of layer and per distinct value of
+the key columns it reads, kept on disk per cluster: layer_table); the assembly into a step time and a peak memory is
+search/assemble.py, built from the exact model's own functions, in numpy over all candidates at once.
+Final numbers never come from here: search.py re-estimates the shortlist with `estimate_config`.
 """
 
 from __future__ import annotations
@@ -15,21 +15,22 @@ from typing import Any
 import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
-from autoplan.cost.estimate import GRAD_REDUCE_BYTES
 from autoplan.graph.types import LayerGraph, LayerRole
+from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
+from autoplan.search.assemble import assemble, max_param_numel
+from autoplan.search.assemble import inflight as _inflight
+from autoplan.search.layercache import layer_costs
+from autoplan.search.pricing import Pricing, int_codes
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
-FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work")
-_KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute")
-# mixed-precision Adam: 2 (bf16 weights) + 2 (bf16 grads) + 12 (fp32 master, momentum, variance) bytes
-# per parameter (Rajbhandari et al., ZeRO, 2020, section 3.1)
-WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES = 2.0, 2.0, 12.0
-# Adam over the local shard, memory-bound: read + write 12 bytes of fp32 states, read the 16-bit gradient
-# twice, write the 16-bit weights (the cost model's ADAM_BYTES_PER_PARAM)
-ADAM_BYTES = 30.0
+FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work", "host")
+_KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
+# what a key column a layer does not read is set to (recompute 0: Recompute.NONE; etp, eep 0: as tp, ep)
+_CANONICAL = {"ep": 1, "recompute": 0, "etp": 0, "eep": 0}
+_EXPERT_COLS = ("ep", "etp", "eep")  # read by layers with routed experts only
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,51 +42,79 @@ class Quick:
     act_mem_bytes: np.ndarray  # activations on the most loaded rank (for the notes)
 
 
+def _codes(space: Space, cols: tuple[str, ...], rows: np.ndarray | None = None) -> np.ndarray:
+    """One integer per distinct combination of `cols` (a fast unique)."""
+    code = np.zeros(len(space) if rows is None else len(rows), dtype=np.int64)
+    for col in cols:
+        values = space.columns[col] if rows is None else space.columns[col][rows]
+        code = code * (int(space.columns[col].max(initial=0)) + 1) + values
+    return code
+
+
 def layer_table(graph: LayerGraph, cluster: ClusterSpec, space: Space, cost: Any) -> tuple[np.ndarray, np.ndarray]:
-    """(key index per candidate, table [num_keys, num_layers, len(FIELDS)]), estimating each kind once."""
-    code = np.zeros(len(space), dtype=np.int64)
-    for col in _KEY_COLS:  # one integer per (tp, cp, ep, sp, microbatch, recompute): a fast unique
-        values = space.columns[col]
-        code = code * (int(values.max(initial=0)) + 1) + values
-    _, first_row, key_of = np.unique(code, return_index=True, return_inverse=True)
+    """(key index per candidate, table [num_keys, num_layers, len(FIELDS)]). Each kind of layer is estimated
+    once per distinct value of the key columns it depends on, then broadcast to every layer of the kind:
+    (tp, cp, sp, microbatch), recompute only for blocks (the cost model recomputes BLOCK-role layers only:
+    cost/compute.layer_compute, cost/memory.other_activation_bytes), ep, etp and eep only for layers with routed
+    experts (nothing else in estimate_layer reads them); test_search_layer_table checks both against
+    estimate_layer.
+    Costs computed once are kept on disk (layercache.layer_costs), so a later plan on the cluster reuses them."""
+    _, first_row, key_of = np.unique(_codes(space, _KEY_COLS), return_index=True, return_inverse=True)
     kinds = graph.kinds()
     kind_names = list(kinds)
     kind_of = np.array([kind_names.index(layer.kind) for layer in graph.layers])
-    first = [kinds[k][0] for k in kind_names]
-    table = np.zeros((len(first_row), len(graph.layers), len(FIELDS)))
-    for i, row in enumerate(first_row.tolist()):
-        tp, cp, ep, sp, mb, rec = (int(space.columns[col][row]) for col in _KEY_COLS)
-        recompute = RECOMPUTES[rec]
-        config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=recompute)
-        per_kind = np.array([_fields(cost.estimate_layer(layer, cluster, config, recompute, seq_len=graph.seq_len))
-                             for layer in first])
-        table[i] = per_kind[kind_of]
-    return key_of.reshape(-1), table
+    per_kind = np.zeros((len(first_row), len(kind_names), len(FIELDS)))
+    for k, name in enumerate(kind_names):
+        layer = kinds[name][0]
+        cols = _key_cols(layer)
+        _, rows, inverse = np.unique(_codes(space, cols, first_row), return_index=True, return_inverse=True)
+        keys = np.stack([space.columns[c][first_row[rows]] if c in cols else np.full(len(rows), _CANONICAL[c])
+                         for c in _KEY_COLS], axis=1)
+        # dp: any valid one (a layer's cost does not depend on it; folded expert degrees need the stage's ranks)
+        dps = space.columns["dp"][first_row[rows]]
+
+        def compute(missing: np.ndarray, layer: Any = layer, keys: np.ndarray = keys, dps: np.ndarray = dps
+                    ) -> np.ndarray:
+            return np.array([_fields(_estimate(layer, cluster, keys[i].tolist(), int(dps[i]), graph, cost))
+                             for i in missing.tolist()])
+
+        values = layer_costs(layer, cluster, graph.seq_len, FIELDS, keys, compute, engine=getattr(cost, "engine", None))
+        per_kind[:, k] = values[inverse.reshape(-1)]
+    return key_of.reshape(-1), per_kind[:, kind_of]
+
+
+def split_by_layer_key(space: Space, parts: int) -> list[np.ndarray]:
+    """The candidate rows in `parts` pieces, each holding whole groups of (tp, cp, sp, microbatch), the key
+    columns every kind of layer reads (so no layer cost is estimated in two pieces), balanced by row count:
+    groups by size, largest first, each to the lightest piece so far."""
+    shared = tuple(c for c in _KEY_COLS if c not in _CANONICAL)
+    _, group_of, counts = np.unique(_codes(space, shared), return_inverse=True, return_counts=True)
+    load, owner = np.zeros(parts), np.empty(len(counts), dtype=np.int64)
+    for group in np.argsort(-counts, kind="stable").tolist():
+        owner[group] = int(np.argmin(load))
+        load[owner[group]] += counts[group]
+    piece = owner[group_of.reshape(-1)]
+    return [np.nonzero(piece == i)[0] for i in range(parts)]
+
+
+def _key_cols(layer: Any) -> tuple[str, ...]:
+    """The key columns estimate_layer reads for this layer (see layer_table)."""
+    skip = set(_EXPERT_COLS) if not layer.num_experts else set()
+    skip |= {"recompute"} if layer.role is not LayerRole.BLOCK else set()
+    return tuple(c for c in _KEY_COLS if c not in skip)
+
+
+def _estimate(layer: Any, cluster: ClusterSpec, key: list[int], dp: int, graph: LayerGraph, cost: Any) -> Any:
+    tp, cp, ep, sp, mb, rec, etp, eep = key
+    config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=RECOMPUTES[rec], dp=dp,
+                            etp=etp, eep=eep)
+    return cost.estimate_layer(layer, cluster, config, RECOMPUTES[rec], seq_len=graph.seq_len)
 
 
 def _fields(c: Any) -> tuple[float, ...]:
     return (c.time_s, c.fwd_s + getattr(c, "fwd_comm_s", 0.0), c.bwd_weight_s, c.act_mem_bytes, c.param_count,
-            c.grad_param_count, c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0))
-
-
-def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
-    """Microbatches of activations (in units of the rank's whole per-microbatch activations) held by
-    each rank, shape [n, p]. GPipe: all m. 1F1B and ZB-H1: p - r on rank r (Narayanan et al. 2021).
-    Interleaved: Megatron warms up 2 (p - r - 1) + (v - 1) p chunk-microbatches, each 1/v of the rank's
-    layers, so rank 0 holds p + (p - 1)/v (Korthikanti et al. 2022: p (1 + (p - 1)/(p v))). Zero bubble
-    as 1F1B (Qi et al. 2024). Never more than the m microbatches there are. The same rule as the cost
-    model's in_flight_microbatches, vectorised."""
-    r = np.arange(p)[None, :]
-    s = schedule[:, None]
-    m2 = m[:, None].astype(float)
-    one_f_one_b = np.broadcast_to(p - r, (len(m), p)).astype(float)
-    interleaved = (2.0 * (p - r - 1) + (v - 1) * p + 1) / v
-    out = np.where(s == SCHEDULES.index(Schedule.GPIPE), m2, one_f_one_b)
-    out = np.where(s == SCHEDULES.index(Schedule.INTERLEAVED), interleaved, out)
-    return np.minimum(out, m2)
-
-
-_COMM = ("ar_dense", "rs_dense", "ag_dense", "ar_expert", "rs_expert", "ag_expert", "p2p")
+            c.grad_param_count, c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0),
+            getattr(c, "host_s", 0.0))
 
 
 def _placement(sizes: tuple[int, ...], wanted: tuple[str, ...], devices_per_node: int, cost: Any) -> Any:
@@ -102,74 +131,127 @@ def _placement(sizes: tuple[int, ...], wanted: tuple[str, ...], devices_per_node
     return cost.GroupPlacement(size=len(ranks), num_nodes=len(counts), per_node=int(counts.min()))
 
 
-def comm_lines(space: Space, cluster: ClusterSpec, cost: Any) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-    """Per candidate, (alpha, beta) with time = alpha + beta * bytes for the collectives of its mesh, from
-    the cost model's own functions (two sizes per unique mesh; exact for its ring formulas)."""
-    c = space.columns
-    code = np.zeros(len(space), dtype=np.int64)
-    for col in ("pp", "dp", "ep", "cp", "tp"):
-        code = code * (int(c[col].max(initial=0)) + 1) + c[col]
-    _, first_row, inverse = np.unique(code, return_index=True, return_inverse=True)
-    uniq = [tuple(int(c[k][r]) for k in ("pp", "dp", "ep", "cp", "tp")) for r in first_row.tolist()]
-    lines = np.zeros((len(uniq), len(_COMM), 2))
-    s1, s2 = 1e8, 2e8
-    dpn = cluster.devices_per_node
-    for i, sizes in enumerate(uniq):
-        dense = _placement(sizes, ("dp", "ep", "cp"), dpn, cost)
-        expert = _placement(sizes, ("dp", "cp"), dpn, cost)
-        cross = _placement(sizes, ("pp",), dpn, cost).crosses_nodes
-        calls = ((cost.all_reduce_s, dense), (cost.reduce_scatter_s, dense), (cost.all_gather_s, dense),
-                 (cost.all_reduce_s, expert), (cost.reduce_scatter_s, expert), (cost.all_gather_s, expert),
-                 (cost.p2p_s, cross))
-        for k, (fn, group) in enumerate(calls):
-            t1, t2 = fn(s1, group, cluster), fn(s2, group, cluster)
-            beta = (t2 - t1) / (s2 - s1)
-            lines[i, k] = (t1 - beta * s1, beta)
-    per = lines[inverse.reshape(-1)]
-    return {name: (per[:, k, 0], per[:, k, 1]) for k, name in enumerate(_COMM)}
-
-
-def _t(line: tuple[np.ndarray, np.ndarray], nbytes: np.ndarray) -> np.ndarray:
-    alpha, beta = line
-    if nbytes.ndim == 2:
-        alpha, beta = alpha[:, None], beta[:, None]
-    return np.where(nbytes > 0, alpha + beta * nbytes, 0.0)
-
-
 def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global_batch: int, cost: Any) -> Quick:
-    """Step time and peak memory of every candidate with the balanced split and uniform recompute."""
+    """Step time and peak memory of every candidate with the balanced split and uniform recompute, for the
+    engine `cost` is bound to (autoplan.cost.with_engine; the plain module means autoplan's executor).
+    Candidates are assembled per pipeline shape, in chunks of at most CHUNK rows of whole layer-table keys
+    (arrays that stay in cache; each candidate's estimate depends on its own row only)."""
+    engine = getattr(cost, "engine", None) or Engine()
     key_of, table = layer_table(graph, cluster, space, cost)
-    lines = comm_lines(space, cluster, cost)
     c = space.columns
-    n = len(space)
-    step, peak, act_out = np.zeros(n), np.zeros(n), np.zeros(n)
-    names = {layer.name: i for i, layer in enumerate(graph.layers)}
-    block = next((i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK), 0)
-    per_key = {"out_bytes": table[:, block, FIELDS.index("out_bytes")],  # what a pipeline cut sends
-               "work": table[:, :, FIELDS.index("work")].max(axis=1),
-               "max_params": table[:, :, FIELDS.index("params")].max(axis=1)}
+    step, peak, act_out = np.zeros(len(space)), np.zeros(len(space)), np.zeros(len(space))
     cum = np.concatenate([np.zeros((table.shape[0], 1, table.shape[2])), np.cumsum(table, axis=1)], axis=1)
     v_shape = ((c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE)) & (c["virtual_stages"] == 2)).astype(int)
-    for pp, v, vee in sorted(set(zip(c["pp"].tolist(), c["virtual_stages"].tolist(), v_shape.tolist()))):
-        idx = np.nonzero((c["pp"] == pp) & (c["virtual_stages"] == v) & (v_shape == vee))[0]
-        config = space.config(int(idx[0]))  # the schedule decides the placement (plan.layout.stage_ranks)
-        stages = cost.balanced_stages(graph, config)
-        bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
-        placement = np.zeros((pp * v, pp))
-        placement[np.arange(pp * v), stage_ranks(config)] = 1.0  # [stage, rank]
-        layers_per_rank = np.diff(bounds) @ placement
-        hops_per_rank = _hops(stage_ranks(config), pp)
+    max_numel = max_param_numel(graph, c["tp"])
+    prices: dict = {}  # every collective priced once per quick estimate (search/pricing.py)
+    for idx in _pipeline_shapes(c["pp"], c["virtual_stages"], v_shape):
+        pp, v = int(c["pp"][idx[0]]), int(c["virtual_stages"][idx[0]])
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
-        sub = cum[keys]
-        per_stage = sub[:, bounds[1:]] - sub[:, bounds[:-1]]  # [keys, S, F]
-        per_rank = np.einsum("ksf,sr->krf", per_stage, placement)[inverse.reshape(-1)]
-        cols = {k: col[idx] for k, col in c.items()}
-        extra = {k: val[key_of[idx]] for k, val in per_key.items()}
-        sel = {k: (a[idx], b[idx]) for k, (a, b) in lines.items()}
-        extra["hops"] = np.broadcast_to(hops_per_rank, (len(idx), pp))
-        step[idx], peak[idx], act_out[idx] = _assemble(per_rank, layers_per_rank, extra, sel, cols, pp, v,
-                                                       global_batch, cluster)
+        shape = _shape_tables(graph, space.config(int(idx[0])), table, cum, keys, cost)
+        order = np.argsort(inverse.reshape(-1), kind="stable")  # the rows of each key together
+        regather = (_regather_ops(graph, cluster, c, idx, cost, engine)
+                    if engine.zero3 == "deepspeed" and engine.zero3_regather_persistent else None)
+        for part in _chunks(inverse.reshape(-1)[order], max(CHUNK // pp, 64)):
+            rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
+            extra = {"hops": np.broadcast_to(shape["hops"], (len(rows), pp)), "out_bytes": shape["out_bytes"][key],
+                     "max_numel": max_numel[rows], "max_params": shape["max_params"][key],
+                     "work": shape["work"][key]}
+            if regather is not None:
+                extra["regather_ops"] = regather[order[part]]
+            f = {name: shape["per_rank"][:, :, i][key] for i, name in enumerate(FIELDS)}
+            cols = {k: col[rows] for k, col in c.items()}
+            # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
+            step[rows], peak[rows], act_out[rows] = assemble(f, shape["layers_per_rank"], extra, cols, pp, v,
+                                                             global_batch, cluster, engine, Pricing(prices, key))
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
+
+
+CHUNK = 65536  # candidates x pipeline ranks assembled at once: arrays of about 512 kB, which stay in cache
+
+
+def _chunks(sorted_keys: np.ndarray, rows: int) -> list[slice]:
+    """Consecutive slices of about `rows` rows of `sorted_keys` (sorted), each cut at a change of key (a key
+    longer than that gets a slice of its own)."""
+    out, start, n = [], 0, len(sorted_keys)
+    while start < n:
+        end = min(start + rows, n)
+        if end < n:
+            cut = int(np.searchsorted(sorted_keys, sorted_keys[end], side="left"))
+            end = cut if cut > start else int(np.searchsorted(sorted_keys, sorted_keys[end], side="right"))
+        out.append(slice(start, end))
+        start = end
+    return out
+
+
+def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, cum: np.ndarray, keys: np.ndarray,
+                  cost: Any) -> dict[str, np.ndarray]:
+    """For one pipeline shape (the config's pp, virtual stages and schedule: the schedule decides the placement,
+    plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the fields [keys, p, F], the
+    per-rank maxima of params and work [keys, p], layers per rank, p2p hops and what a pipeline cut sends."""
+    pp, v = config.pp, config.virtual_stages
+    names = {layer.name: i for i, layer in enumerate(graph.layers)}
+    stages = cost.balanced_stages(graph, config)
+    bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
+    ranks = stage_ranks(config)
+    placement = np.zeros((pp * v, pp))
+    placement[np.arange(pp * v), ranks] = 1.0  # [stage, rank]
+    sub = cum[keys[:, None], bounds[None, :]]  # [keys, S + 1, F]: the cumulative sums at the cuts
+    per_stage = sub[:, 1:] - sub[:, :-1]  # [keys, S, F]
+    block = next((i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK), 0)
+    out = {"per_rank": _per_rank(per_stage, placement, ranks), "layers_per_rank": np.diff(bounds) @ placement,
+           "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")]}
+    for name in ("params", "work"):  # per-rank maxima over the rank's stages
+        stage_max = np.maximum.reduceat(table[keys, :, FIELDS.index(name)], bounds[:-1], axis=1)
+        out["max_params" if name == "params" else "work"] = np.stack(
+            [stage_max[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1) for k in range(pp)], axis=1)
+    return out
+
+
+def _pipeline_shapes(pp: np.ndarray, v: np.ndarray, v_shape: np.ndarray) -> list[np.ndarray]:
+    """The candidate rows of each (pp, virtual stages, V-shape), rows ascending, in the order of the sorted
+    triples (one sort for all, instead of a scan of every row per triple)."""
+    code = int_codes(pp, v, v_shape)
+    if not len(code):
+        return []
+    order = np.argsort(code, kind="stable")
+    starts = np.flatnonzero(np.diff(code[order], prepend=-1))
+    return np.split(order, starts[1:])
+
+
+def _per_rank(per_stage: np.ndarray, placement: np.ndarray, ranks: tuple[int, ...]) -> np.ndarray:
+    """Each rank's sum of its stages' fields [keys, p, F]: einsum("ksf,sr->krf", per_stage, placement), which
+    adds each rank's stages to zero in stage order; so does this, one stage per rank at a time, when every
+    rank holds as many stages (test_search_surrogate checks it against einsum), in O(stages) not
+    O(stages x ranks)."""
+    pp = placement.shape[1]
+    held = [[s for s, r in enumerate(ranks) if r == k] for k in range(pp)]
+    if len({len(h) for h in held}) != 1:
+        return np.einsum("ksf,sr->krf", per_stage, placement)
+    out = np.zeros((per_stage.shape[0], pp, per_stage.shape[2]))
+    for j in range(len(held[0])):
+        out += per_stage[:, [h[j] for h in held], :]
+    return out
+
+
+def _regather_ops(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, np.ndarray], idx: np.ndarray, cost: Any,
+                  engine: Engine) -> np.ndarray:
+    """Host ops per layer of DeepSpeed's per-step re-gather of the persistent parameters
+    (cost.deepspeed.persistent_regather over one block's small parameters, cost.dataparallel.
+    layer_small_numels), per candidate: each distinct (tp, data-parallel size) priced once."""
+    from autoplan.cost.dataparallel import layer_small_numels
+    from autoplan.cost.deepspeed import persistent_regather
+
+    block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
+    out = np.zeros(len(idx))
+    if block is None:
+        return out
+    tp, n = c["tp"][idx], (c["dp"] * c["ep"] * c["cp"])[idx]
+    for t, size in set(zip(tp.tolist(), n.tolist())):
+        config = ParallelConfig(tp=t)
+        layer_cost = cost.estimate_layer(block, cluster, config, "none", seq_len=graph.seq_len)
+        small = [x for x in layer_small_numels(block, layer_cost, graph, config) if x < engine.zero3_persistence_numel]
+        out[(tp == t) & (n == size)] = persistent_regather(small, size)[0]
+    return out
 
 
 def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
@@ -183,56 +265,7 @@ def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
     return out
 
 
-def _assemble(per_rank: np.ndarray, layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
-              lines: dict[str, tuple[np.ndarray, np.ndarray]], c: dict[str, np.ndarray], pp: int, v: int,
-              global_batch: int, cluster: ClusterSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The cost model's assembly (estimate_config) in closed form over [candidates, ranks] arrays."""
-    f = {name: per_rank[:, :, i] for i, name in enumerate(FIELDS)}
-    m = global_batch // (c["dp"] * c["ep"] * c["microbatch"])
-    z = c["zero"][:, None]
-    n_layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
-    fwd, bwd = f["fwd"], f["time"] - f["fwd"]
-    # pipeline cuts: a rank sends its activation forward at each cut after its stages and its gradient
-    # back at each cut before them (hops per rank from the placement; none inside a rank)
-    hops = extra["hops"] * _t(lines["p2p"], extra["out_bytes"])[:, None] if pp > 1 else 0.0
-    # ZeRO: 16-bit weight gathers and gradient reduce-scatters, prefetched / bucketed on a second stream;
-    # what the layers' compute does not hide is exposed (cost.overlap.exposed_s, closed form for equal
-    # layers: the uncovered excess plus one layer's collective)
-    # gradients travel at the cost model's reduce dtype (fp32 under bf16: GRAD_REDUCE_BYTES)
-    wire = GRAD_REDUCE_BYTES[cluster.dtype]
-    wbytes, gbytes = f["dense_params"] * WEIGHT_BYTES, f["dense_params"] * wire
-    ebytes, egbytes = f["expert_params"] * WEIGHT_BYTES, f["expert_params"] * wire
-    gather = _t(lines["ag_dense"], wbytes) + _t(lines["ag_expert"], ebytes)
-    scatter = _t(lines["rs_dense"], gbytes) + _t(lines["rs_expert"], egbytes)
-    reduce = np.where(z >= 1, scatter, _t(lines["ar_dense"], gbytes) + _t(lines["ar_expert"], egbytes))
-    z3_fwd = np.maximum(gather - fwd, 0.0) + gather / n_layers
-    z3_bwd = np.maximum(gather + scatter - bwd, 0.0) + (gather + scatter) / n_layers
-    z2_bwd = np.maximum(scatter - bwd, 0.0) + scatter / n_layers
-    per_mb_dp = np.where(z == 3, z3_fwd + z3_bwd, np.where(z == 2, z2_bwd, 0.0))
-    x = f["time"] + hops + per_mb_dp
-    bwd_all = bwd + per_mb_dp
-    # pipeline_time_s: m max_r X_r + (sum_r Y_r - max_r Y_r) / v'
-    zb = (c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE))[:, None]
-    y = np.where(zb, np.maximum(x - (2.0 if v == 1 else 3.0) * f["bwd_weight"], 0.0), x)
-    chunks = np.where((c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED)) | zb[:, 0], v, 1)
-    pipe = m * x.max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
-    # ZeRO-0/1: one reduction per step after the last microbatch, overlapped with that backward; rank r
-    # finishes its last backward sum_{k<r} B_k before rank 0 does
-    tail = np.maximum(reduce - bwd_all, 0.0) + reduce / n_layers
-    offsets = np.cumsum(bwd_all, axis=1) - bwd_all
-    dp_tail = np.where(c["zero"] <= 1, np.maximum((tail - offsets).max(axis=1), 0.0), 0.0)
-    # ZeRO-1/2: all-gather the updated 16-bit weights after the optimizer step (exposed)
-    param_gather = np.where((c["zero"] == 1) | (c["zero"] == 2), gather.max(axis=1), 0.0)
-    dense_n, expert_n = c["dp"] * c["ep"] * c["cp"], c["dp"] * c["cp"]
-    shard = f["dense_params"] / dense_n[:, None] + f["expert_params"] / expert_n[:, None]
-    local = np.where(z >= 1, shard, f["params"]).max(axis=1)
-    optimizer_s = local * ADAM_BYTES / (cluster.device.mem_bw_bytes_per_s * cluster.device.mem_bw_efficiency)
-    step = pipe + dp_tail + param_gather + optimizer_s
-    # memory per rank: model states with ZeRO sharding (+ ZeRO-3's two gathered layers), activations times
-    # microbatches in flight, one layer's backward working set, the runtime reserve
-    states = (np.where(z >= 3, shard, f["params"]) * WEIGHT_BYTES + np.where(z >= 2, shard, f["params"]) * GRAD_BYTES
-              + np.where(z >= 1, shard, f["params"]) * OPTIMIZER_BYTES)
-    states += np.where(z == 3, 2.0 * extra["max_params"][:, None] * WEIGHT_BYTES, 0.0)
-    acts = f["act"] * inflight(c["schedule"], pp, v, m)
-    mem = states + acts + extra["work"][:, None]
-    return step, mem.max(axis=1) + cluster.device.runtime_reserve_bytes, acts.max(axis=1)
+def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
+    """Microbatches of activations held by each rank [n, p]: cost.pipeline.in_flight_microbatches in
+    numpy (search.assemble.inflight)."""
+    return _inflight(schedule, p, v, m)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.tensor
@@ -105,17 +106,19 @@ def _reference(rank: int, world_size: int, model_name: str, steps: int, seed: in
     torch.manual_seed(seed)
     model = preset(model_name)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, foreach=False)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         batch = make_batch(seed, step, global_batch=global_batch, seq_len=seq_len,
                            vocab_size=model.config.vocab_size)
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), batch[:, 1:].reshape(-1))
         loss.backward()
+        norms.append(float(torch.sqrt(sum(p.grad.double().pow(2).sum() for p in model.parameters()))))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return {"losses": losses, "grad_norms": norms,
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
 _REFERENCES: dict[tuple, dict[str, Any]] = {}
@@ -135,7 +138,7 @@ def _train_rank(rank: int, world_size: int, model_name: str, plan: Any, options:
     from autoplan.execute.train import full_parameters, train
 
     result = train(model_name, plan, options, device=torch.device("cpu"))
-    return {"losses": result.losses, "params": full_parameters(result.parts)}
+    return {"losses": result.losses, "grad_norms": result.grad_norms, "params": full_parameters(result.parts)}
 
 
 def run_plan(model_name: str, plan: Any, *, steps: int, seed: int = 0, global_batch: int = 8,
@@ -152,13 +155,18 @@ def run_plan(model_name: str, plan: Any, *, steps: int, seed: int = 0, global_ba
         params.update(result["params"])
     for result in results[1:]:
         assert result["losses"] == results[0]["losses"], "ranks disagree on the global loss"
-    return {"losses": results[0]["losses"], "params": params}
+    for result in results[1:]:
+        assert result["grad_norms"] == pytest.approx(results[0]["grad_norms"], rel=1e-9), "ranks disagree on the norm"
+    return {"losses": results[0]["losses"], "grad_norms": results[0]["grad_norms"], "params": params}
 
 
 def assert_matches_reference(run: dict[str, Any], ref: dict[str, Any], *, loss_tol: float = 1e-5,
                              param_tol: float = 1e-4) -> None:
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref["losses"]),
                                rtol=loss_tol, atol=loss_tol)
+    if "grad_norms" in run and "grad_norms" in ref:  # the gradients' scale, which AdamW's update hides
+        torch.testing.assert_close(torch.tensor(run["grad_norms"]), torch.tensor(ref["grad_norms"]),
+                                   rtol=1e-4, atol=1e-7, msg=lambda m: f"global gradient norm per step: {m}")
     assert sorted(run["params"]) == sorted(ref["params"]), "parameter names differ from the reference"
     for name, value in ref["params"].items():
         torch.testing.assert_close(run["params"][name], value, rtol=param_tol, atol=param_tol,

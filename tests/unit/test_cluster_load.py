@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]
 SHIPPED = ("dgx-a100-80gb", "dgx-h100-80gb", "h200", "local-cpu")
 
 # Vendor datasheets (dense tensor-core FLOP/s, HBM bytes/s, NVLink one direction, NIC per GPU):
-# A100 SXM4 80GB, H100 SXM5, H200 SXM datasheets; see /work/shared/FORMULAS.md.
+# A100 SXM4 80GB, H100 SXM5, H200 SXM datasheets; the sources are cited beside each figure in profiles/.
 DATASHEET = {
     "dgx-a100-80gb": {
         "bf16": 312e12,
@@ -166,9 +166,9 @@ def test_missing_dtype_peak_and_bad_values(tmp_path: Path) -> None:
 
 def test_yaml11_exponent_without_sign_is_read_as_number(tmp_path: Path) -> None:
     path = _write_variant(tmp_path, lambda d: None)
-    text = path.read_text().replace("latency_s: 5.0e-06", "latency_s: 5e-6")
+    text = path.read_text().replace("  latency_s: 2.7e-06", "  latency_s: 27e-7")
     path.write_text(text)
-    assert Cluster.load(path).inter_node.latency_s == pytest.approx(5e-6)
+    assert Cluster.load(path).inter_node.latency_s == pytest.approx(2.7e-6)
 
 
 def test_profiles_found_from_installed_wheel_data_dir(tmp_path: Path, monkeypatch) -> None:

@@ -182,24 +182,46 @@ def test_allgather_core_on_zigzag_shards_equals_full_attention(cp: int, rank: in
 
 
 @pytest.mark.parametrize("cp,rank", RANKS)
-def test_ring_core_on_zigzag_shards_equals_full_attention(cp: int, rank: int,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ring core on one rank, the P2P shift stood in by handing over rank - step's un-repeated K/V."""
+def test_ring_core_on_zigzag_shards_equals_full_attention_and_keeps_no_scores(
+        cp: int, rank: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring core's forward on one rank, the P2P shift stood in by handing over rank - step's un-repeated
+    K/V; what autograd keeps for the backward is q, the local kv-head K/V, the output and its log-sum-exp:
+    no query x key score block (FlashAttention's memory, which the cost model prices for fused attention)."""
     c = 2
     q, k, v, k_rep, v_rep, group, full = _gqa(1, cp, c)
     shards = [zigzag_positions(2 * cp * c, cp, r) for r in range(cp)]
     mine, steps = shards[rank], []
 
-    class FakeShift:
-        @staticmethod
-        def apply(kv: torch.Tensor, _group: None) -> torch.Tensor:
-            assert kv.shape[2] == k.shape[1]  # kv heads only cross the wire
-            steps.append(1)
-            src = shards[(rank - len(steps)) % cp]
-            return torch.stack([k[:, :, src], v[:, :, src]])
+    def fake_shift(kv: torch.Tensor, _group: None, direction: int) -> torch.Tensor:
+        assert direction == 1 and kv.shape[2] == k.shape[1]  # kv heads only cross the wire
+        steps.append(1)
+        src = shards[(rank - len(steps)) % cp]
+        return torch.stack([k[:, :, src], v[:, :, src]])
 
-    monkeypatch.setattr(context, "_RingShift", FakeShift)
+    monkeypatch.setattr(context, "_ring_shift", fake_shift)
     core = context.RingAttentionCore(_FakeMesh(rank, cp), kv_group=group)  # type: ignore[arg-type]
-    out = core(q[:, :, mine], k_rep[:, :, mine], v_rep[:, :, mine])
+    saved: list[tuple[int, ...]] = []
+    inputs = [t[:, :, mine].clone().requires_grad_() for t in (q, k_rep, v_rep)]
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
+        out = core(*inputs)
     assert len(steps) == cp - 1
     torch.testing.assert_close(out, full[:, :, mine])
+    heads, kv_heads, local = q.shape[1], k.shape[1], 2 * c
+    assert sorted(saved) == sorted([(1, heads, local, 8), (1, kv_heads, local, 8), (1, kv_heads, local, 8),
+                                    (1, heads, local, 8), (1, heads, local)])
+
+
+def test_block_gradients_with_the_final_log_sum_exp_equal_autograd() -> None:
+    """attend_block_grad per key block, given the merged output's lse and delta, sums to autograd's gradient
+    of the merged attention (two blocks: a causal diagonal one and an earlier full one)."""
+    gen = torch.Generator().manual_seed(3)
+    q, k1, v1, k2, v2 = (torch.randn(1, 2, 3, 4, generator=gen, requires_grad=True)
+                         for _ in range(5))
+    weight = torch.randn(1, 2, 3, 4, generator=gen)
+    out, lse = merge_blocks(*attend_block(q, k1, v1, causal=True), *attend_block(q, k2, v2, causal=False))
+    grads = torch.autograd.grad((out * weight).sum(), (q, k1, v1, k2, v2))
+    delta = (weight * out).sum(-1).detach()
+    dq1, dk1, dv1 = context.attend_block_grad(q, k1, v1, weight, lse.detach(), delta, causal=True)
+    dq2, dk2, dv2 = context.attend_block_grad(q, k2, v2, weight, lse.detach(), delta, causal=False)
+    for got, want in zip((dq1 + dq2, dk1, dv1, dk2, dv2), grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

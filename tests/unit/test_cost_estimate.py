@@ -41,7 +41,7 @@ def test_mfu_is_one_on_an_ideal_device() -> None:
 def test_model_flops_follow_narayanan() -> None:
     c = a100_cluster(1)
     est = estimate_config(SMALL, c, ParallelConfig(dp=8, recompute="full"), global_batch=16)
-    assert math.isclose(est.model_flops, narayanan_flops(B=16, s=1024, l=8, h=2048, V=50257), rel_tol=1e-12)
+    assert math.isclose(est.model_flops, narayanan_flops(B=16, s=1024, l=8, h=2048, V=51200), rel_tol=1e-12)
     layers_only = narayanan_flops(B=16, s=1024, l=8, h=2048, V=0)
     assert math.isclose(est.hardware_flops - est.model_flops, layers_only / 3, rel_tol=1e-12)
 
@@ -114,7 +114,7 @@ def test_balanced_stages_puts_embedding_first_and_head_last() -> None:
     (ParallelConfig(dp=4), 8, "devices"),
     (ParallelConfig(dp=8), 12, "global batch 12"),
     (ParallelConfig(tp=8, dp=1, microbatch=1), 8, "tp=8 does not divide the attention heads"),
-    (ParallelConfig(dp=4, ep=2), 8, "dense model"),
+    (ParallelConfig(dp=4, ep=2), 8, "without routed experts"),
     (ParallelConfig(dp=2, cp=4), 8, r"cp=4 needs seq_len divisible by 2\*cp=8"),
     (ParallelConfig(pp=8, dp=1), 8, "blocks"),
 ])
@@ -158,13 +158,23 @@ def test_expert_parallel_layer_by_hand() -> None:
 
 
 def test_context_parallel_splits_activations_and_exchanges_kv() -> None:
+    """cp = 2 halves a block's activations where the attention re-exchanges K / V in its backward
+    (Megatron-Core's ring); autoplan's all-gather core keeps the gathered K / V of the whole sequence on
+    cp rank 0: 2 (K, V) x h x 2 bytes for each of the 4096 keys it did not hold (bf16)."""
     from autoplan.cost import estimate_layer
+    from autoplan.plan.engine import Engine
 
-    block = gpt_graph(h=4096, a=32, layers=1, seq=8192, unfused=False).blocks[0]
+    h, s = 4096, 8192
+    block = gpt_graph(h=h, a=32, layers=1, seq=s, unfused=False).blocks[0]
     c = a100_cluster(1)
-    one = estimate_layer(block, c, ParallelConfig(dp=8), "none", seq_len=8192)
-    two = estimate_layer(block, c, ParallelConfig(dp=4, cp=2), "none", seq_len=8192)
+    ring = Engine.load("megatron-core")
+    one = estimate_layer(block, c, ParallelConfig(dp=8), "none", seq_len=s, engine=ring)
+    two = estimate_layer(block, c, ParallelConfig(dp=4, cp=2), "none", seq_len=s, engine=ring)
     assert math.isclose(two.act_mem_bytes * 2, one.act_mem_bytes, rel_tol=1e-9)
+    own = estimate_layer(block, c, ParallelConfig(dp=4, cp=2), "none", seq_len=s)
+    assert math.isclose(own.act_mem_bytes - two.act_mem_bytes, 2 * h * 2 * (s - s // 2), rel_tol=1e-9)
+    one = estimate_layer(block, c, ParallelConfig(dp=8), "none", seq_len=s)
+    two = estimate_layer(block, c, ParallelConfig(dp=4, cp=2), "none", seq_len=s)
     assert one.cp_comm_s == 0.0 and two.cp_comm_s >= 0.0
     assert two.fwd_s < one.fwd_s
     slow = a100_cluster(2, nic_bw=1e9)  # cp across nodes on a slow NIC: the exchange shows

@@ -10,10 +10,12 @@ from autoplan.cluster.types import ClusterSpec, DeviceSpec, LinkSpec
 from autoplan.graph.types import Layer, LayerGraph, LayerRole
 
 
-def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int = 50257, b: int = 1,
+def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int = 51200, b: int = 1,
               unfused: bool = True, kv: int | None = None, experts: int = 0, top_k: int = 0) -> LayerGraph:
     """A GPT with a 4h GELU MLP, microbatch b: embed, `layers` blocks, head (untied weights). Its attention
-    is causal; `unfused` materialises the scores (Megatron-LM 2021), else a fused (FlashAttention) kernel."""
+    is causal; `unfused` materialises the scores (Megatron-LM 2021), else a fused (FlashAttention) kernel.
+    The default vocabulary is GPT-2's 50257 padded as Megatron-LM pads it for tp up to 8 (to a multiple of
+    128 tp: megatron/training/tokenizer _vocab_size_with_padding), so that tp divides it."""
     s, f, kv = seq, 4 * h, kv or a
     tok = b * s
     qkv = h + 2 * h * kv // a

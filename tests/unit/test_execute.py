@@ -13,8 +13,8 @@ from autoplan.execute.launch import diagnose, read_plan, torchrun_command, write
 from autoplan.execute.pipeline import check_stages, even_stages, extract_stage, local_stage_indices
 from autoplan.execute.recompute import apply_recompute, original_fqn
 from autoplan.execute.tensor_parallel import check_tensor_parallel
-from autoplan.execute.train import TrainOptions, TrainResult, local_batch, make_batch, report
-from autoplan.models import preset
+from autoplan.execute.train import TrainOptions, TrainResult, check_divides, local_batch, make_batch, report
+from autoplan.models import preset, preset_config
 from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Plan, Recompute, Stage
 
 
@@ -189,7 +189,7 @@ def test_report_holds_losses_median_step_time_and_the_prediction() -> None:
                  peak_mem_per_rank=[5, 6], world_size=2)
     assert out["losses"] == [3.0, 2.0, 1.0, 0.5] and out["step_time_s"] == 0.2  # median of 0.3, 0.1, 0.2
     assert out["predicted_step_time_s"] == 0.5 and out["peak_mem_bytes_per_rank"] == [5, 6]
-    assert out["plan"] == plan.config.to_dict() and out["numerics"]["zero1_runs_as_zero2"] is True
+    assert out["plan"] == plan.config.to_dict() and out["zero_layout"]["shards_gradients"] is False
     assert json.loads(json.dumps(out)) == out
     assert "predicted_step_time_s" not in report(result, plan=plan.config, model_name="tiny-gpt",
                                                  options=TrainOptions(steps=4, global_batch=4, seq_len=8),
@@ -198,8 +198,20 @@ def test_report_holds_losses_median_step_time_and_the_prediction() -> None:
 
 def test_tensor_parallel_degree_must_divide_heads_ffn_and_vocab() -> None:
     check_tensor_parallel(preset("tiny-llama"), 4)  # 8 heads, 4 kv heads, ffn 128, vocab 128
-    with pytest.raises(ValueError, match="num_kv_heads=4"):
+    with pytest.raises(ValueError, match=r"tp=8 does not divide the kv heads \(4\)"):
         check_tensor_parallel(preset("tiny-llama"), 8)
+
+
+def test_the_executor_refuses_what_does_not_divide_before_building_anything() -> None:
+    odd_vocab = preset_config("tiny-gpt", vocab_size=130)  # 130 = 2 x 5 x 13
+    options = TrainOptions(steps=1, global_batch=8, seq_len=16)
+    check_divides(odd_vocab, ParallelConfig(tp=2, dp=4), options)
+    with pytest.raises(ValueError, match=r"tp=4 does not divide the vocabulary \(130\)"):
+        check_divides(odd_vocab, ParallelConfig(tp=4, dp=2), options)
+    with pytest.raises(ValueError, match=r"cp=8 needs seq_len divisible by 2\*cp=16"):
+        check_divides(odd_vocab, ParallelConfig(cp=8), TrainOptions(steps=1, global_batch=8, seq_len=24))
+    with pytest.raises(ValueError, match="5 pipeline stages but the model has 4 blocks"):
+        check_divides(odd_vocab, ParallelConfig(pp=5), options)
 
 
 def test_train_options_and_cli_reject_bad_input(capsys) -> None:
@@ -250,3 +262,21 @@ def test_bad_token_files_say_what_to_change(tmp_path) -> None:
         load_tokens(str(tmp_path / "x.csv"), vocab_size=128, seq_len=8)
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_tokens(str(tmp_path / "missing.npy"), vocab_size=128, seq_len=8)
+
+
+def test_token_files_of_large_vocabularies_and_long_streams(tmp_path, monkeypatch) -> None:
+    """.bin holds uint32 ids for vocabularies over 65,536 (Llama 3's 128,256); a stream longer than
+    IN_MEMORY_TOKENS stays memory-mapped and yields the same windows as the in-memory copy."""
+    import numpy as np
+
+    from autoplan.execute import data
+
+    ids = (np.arange(3000, dtype=np.uint32) * 41) % 128_256
+    ids.tofile(tmp_path / "t.bin")
+    tokens = data.load_tokens(str(tmp_path / "t.bin"), vocab_size=128_256, seq_len=16)
+    assert torch.equal(tokens, torch.from_numpy(ids.astype(np.int64)))
+    monkeypatch.setattr(data, "IN_MEMORY_TOKENS", 1000)
+    mapped = data.load_tokens(str(tmp_path / "t.bin"), vocab_size=128_256, seq_len=16)
+    assert isinstance(mapped, data.MappedTokens) and mapped.numel() == 3000
+    assert torch.equal(data.sample_windows(mapped, 3, 1, global_batch=4, seq_len=16),
+                       data.sample_windows(tokens, 3, 1, global_batch=4, seq_len=16))

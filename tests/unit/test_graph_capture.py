@@ -126,6 +126,19 @@ def test_block_reuse_equals_a_full_capture(name: str) -> None:
     assert reused.num_nodes == full.num_nodes
 
 
+@pytest.mark.parametrize("name", ["tiny-gpt", "tiny-llama", "tiny-moe"])
+def test_capture_in_place_equals_a_capture_of_a_copy(name: str) -> None:
+    """copy_model=False (the path for presets built only to be captured) gives the very same graph; the
+    model is left on meta in the capture dtype, tied weights still tied."""
+    _, copied = graph_of(name)
+    with torch.device("meta"):
+        model = preset(name)
+    in_place = capture(model, seq_len=SEQ, copy_model=False)
+    assert in_place == copied
+    assert all(p.device.type == "meta" and p.dtype == torch.bfloat16 for p in model.parameters())
+    assert len(list(model.parameters())) == len(list(graph_of(name)[0].parameters()))
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-moe"])
 def test_matmul_and_attention_flops_agree_with_flop_counter_mode(name: str) -> None:
     model, g = graph_of(name)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autoplan.search.balance import solve_balanced
 from autoplan.search.ilp import solve_ilp
 from autoplan.search.stages import StageProblem, brute_force, evaluate, fits, solve_dp
 
@@ -93,3 +96,32 @@ def test_evaluate_rejects_out_of_order_runs() -> None:
                            act_bytes=((0.0,), (0.0,)), num_ranks=2)
     with pytest.raises(ValueError, match="model order"):
         evaluate(problem, (((0,), (1,)), ((1,), (0,))))
+
+
+@st.composite
+def placed_problems(draw):
+    """Problems of one or two runs with a looped or V placement (the shapes solve_balanced handles), some
+    on heterogeneous ranks (each rank its own block times and memory limit)."""
+    base = draw(problems(max_blocks=5, virtual=True))
+    v_shape = base.virtual_stages == 2 and draw(st.booleans())
+    p = base.num_ranks
+    ranks = tuple(q if q < p else 2 * p - 1 - q for q in range(2 * p)) if v_shape else ()
+    problem = replace(base, stage_rank=ranks)
+    if draw(st.booleans()):
+        speed = [draw(st.sampled_from((0.5, 1.0, 2.0))) for _ in range(p)]
+        limits = tuple(base.mem_limit_bytes * draw(st.sampled_from((0.7, 1.0, 1.5))) for _ in range(p))
+        problem = replace(problem, rank_mem_limit_bytes=limits,
+                          rank_time_s=tuple(tuple(tuple(t * x for t in run) for run in base.time_s) for x in speed))
+    return problem
+
+
+@settings(max_examples=60, deadline=None)
+@given(placed_problems())
+def test_balanced_solver_matches_brute_force(problem: StageProblem) -> None:
+    ref = brute_force(problem)
+    got = solve_balanced(problem)
+    if ref is None:
+        assert got is None
+    else:
+        assert got is not None and fits(problem, got)
+        assert got.time_s == pytest.approx(ref.time_s, rel=1e-9, abs=1e-12)

@@ -1,0 +1,84 @@
+"""Engine profiles as files: read engines/*.yaml (shipped) or a user's YAML into a frozen Engine, with
+the same one-line errors as a cluster profile (cluster/load.py's key checks and suggestions).
+
+Format (schema_version 1): flat `field: value` pairs, the fields of autoplan.plan.engine.Engine; a
+field left out keeps the default (autoplan's own executor). Each value should carry its source (the
+engine's docs or code) in a comment beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from autoplan.cluster.load import _check_keys, _suggest, named_yaml, shipped_dirs, shipped_yaml
+from autoplan.plan.engine import ATTENTION_KINDS, GRAD_REDUCTIONS, SELECTIVE_KINDS, ZERO3_KINDS, Engine
+
+SCHEMA_VERSION = 1
+_CHOICES = {"attention": ATTENTION_KINDS, "zero3": ZERO3_KINDS, "zero3_grad_reduction": GRAD_REDUCTIONS,
+            "selective_recompute": SELECTIVE_KINDS}
+_FIELDS = {f.name: f.type for f in dataclasses.fields(Engine) if f.name != "source"}
+
+
+def engine_dirs() -> tuple[Path, ...]:
+    """Where shipped engines may live: engines/ in the checkout, then <prefix>/share/autoplan/engines."""
+    return shipped_dirs("engines")
+
+
+def engine_names() -> tuple[str, ...]:
+    return tuple(sorted(shipped_yaml(engine_dirs())))
+
+
+def engine_path(name_or_path: str | os.PathLike[str]) -> Path:
+    """The file a shipped engine name or a path refers to (cluster.load.named_yaml)."""
+    return named_yaml(name_or_path, engine_dirs(), "engine", existing_file_is_path=True)
+
+
+def _value(key: str, value: Any, path: str) -> Any:
+    kind = _FIELDS[key]
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ValueError(f"{path}: field {key!r} must be true or false, got {value!r}")
+        return value
+    if kind == "int":
+        if isinstance(value, str):  # PyYAML reads 5e7 (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{path}: field {key!r} must be a non-negative integer, got {value!r}")
+        return value
+    value = str(value)
+    if key in _CHOICES and value not in _CHOICES[key]:
+        raise ValueError(f"{path}: field {key!r} must be one of {', '.join(map(repr, _CHOICES[key]))}, got "
+                         f"{value!r}{_suggest(value, _CHOICES[key])}")
+    return value
+
+
+def parse_engine(data: Any, path: str) -> Engine:
+    """Validate one engine mapping (as read from YAML) and build the Engine."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: an engine file is a mapping of fields, got {type(data).__name__}")
+    _check_keys(data, ("schema_version", "name"), tuple(k for k in _FIELDS if k != "name"), "", path)
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise ValueError(f"{path}: schema_version {data['schema_version']!r} is not supported (this autoplan "
+                         f"reads {SCHEMA_VERSION})")
+    values = {k: _value(k, v, path) for k, v in data.items() if k != "schema_version"}
+    return Engine(**values, source=path)
+
+
+def load_engine(name_or_path: str | os.PathLike[str]) -> Engine:
+    path = engine_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    shipped = path in shipped_yaml(engine_dirs()).values()
+    return parse_engine(data, f"engines/{path.name}" if shipped else str(path))

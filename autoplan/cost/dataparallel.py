@@ -1,0 +1,292 @@
+"""Data-parallel traffic of one pipeline rank as the engine runs its ZeRO layout (plan.layout.zero_layout):
+weight all-gathers and gradient reductions, per microbatch or per step, overlapped with the compute
+beside them or exposed, in the engine's buckets; and DeepSpeed's stage 3 (cost/deepspeed.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.cost import comm
+from autoplan.cost import deepspeed as ds
+from autoplan.cost.compute import block_shape
+from autoplan.cost.experts import expert_dp_placement
+from autoplan.cost.kernels import memory_time_s
+from autoplan.cost.layer import dtype_bytes
+from autoplan.cost.memory import state_bytes_per_param
+from autoplan.cost.overlap import exposed_s, hidden_penalty_s
+from autoplan.cost.types import GroupPlacement, LayerCost
+from autoplan.graph.types import Layer, LayerGraph, LayerRole
+from autoplan.plan.engine import Engine
+from autoplan.plan.layout import ZeroLayout
+from autoplan.plan.types import ParallelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class DpGroups:
+    """The data-parallel groups: dense parameters over dp * ep * cp, experts over their expert data-parallel
+    group (dp * cp unfolded; the edp axis of the expert mesh when folded: cost.experts)."""
+
+    dense: GroupPlacement
+    expert: GroupPlacement
+
+
+def dp_groups(config: ParallelConfig, cluster: ClusterSpec) -> DpGroups:
+    return DpGroups(dense=comm.group_placement(config, ("dp", "ep", "cp"), cluster.devices_per_node),
+                    expert=expert_dp_placement(config, cluster.devices_per_node))
+
+
+def grad_wire_bytes(dtype: str, engine: Engine) -> float:
+    """Bytes per gradient element in the data-parallel reduction: fp32 when the engine reduces bf16 /
+    fp8 gradients in fp32 (estimate.GRAD_REDUCE_BYTES), fp32 for fp32 training, else the dtype's."""
+    if dtype in ("fp32", "tf32") or (engine.grad_reduce_fp32 and dtype in ("bf16", "fp8")):
+        return 4.0
+    return float(dtype_bytes(dtype))
+
+
+@dataclass(slots=True)
+class Rank:
+    """One pipeline rank's per-microbatch times and its memory, summed over its chunks."""
+
+    compute: float = 0.0
+    recompute: float = 0.0
+    tp: float = 0.0
+    cp: float = 0.0
+    ep: float = 0.0
+    pp: float = 0.0
+    dp: float = 0.0  # per-microbatch exposed data-parallel traffic (and the compute it slows)
+    fwd: float = 0.0
+    bwd: float = 0.0
+    weight: float = 0.0
+    act_bytes: float = 0.0
+    work_bytes: float = 0.0
+    dense_params: float = 0.0
+    expert_params: float = 0.0
+    max_layer_params: float = 0.0
+    max_param_numel: float = 0.0  # largest single weight matrix held (DeepSpeed gathers per parameter)
+    dp_tail: float = 0.0  # gradient reduction after the last microbatch, not hidden by the backward
+    param_gather: float = 0.0  # the once-per-step weight all-gather, exposed part
+    costs: list[LayerCost] = field(default_factory=list)
+    layers: list[Layer] = field(default_factory=list)
+
+    @property
+    def slot(self) -> float:
+        return self.fwd + self.bwd
+
+
+def add_layers(rank: Rank, costs: Sequence[LayerCost], layers: Sequence[Layer]) -> None:
+    """Add one chunk's layers to its rank: compute, tp / cp / ep communication, memory, parameters."""
+    for c, layer in zip(costs, layers):
+        fwd = c.fwd_s + c.fwd_comm_s
+        rank.fwd += fwd
+        rank.bwd += c.time_s - fwd
+        rank.compute += c.fwd_s + c.bwd_s
+        rank.recompute += c.recompute_s
+        rank.tp += c.tp_comm_s
+        rank.cp += c.cp_comm_s
+        rank.ep += c.ep_comm_s
+        rank.weight += c.bwd_weight_s
+        rank.act_bytes += c.act_mem_bytes
+        rank.work_bytes = max(rank.work_bytes, c.work_mem_bytes)
+        rank.dense_params += c.grad_param_count
+        rank.expert_params += c.expert_param_count
+        rank.max_layer_params = max(rank.max_layer_params, c.param_count)
+        rank.costs.append(c)
+        rank.layers.append(layer)
+
+
+def _bucketed(values: Sequence[float], bucket_numel: int, price: Callable[[float], float]) -> list[float]:
+    """Per-layer collective times with gradients grouped into buckets of `bucket_numel` elements in the
+    given order (the backward's): a bucket's collective is issued at the layer that fills it, the last
+    partial bucket at the last layer. bucket_numel 0: one collective per layer (FSDP's per-block units)."""
+    if not bucket_numel:
+        return [price(x) if x else 0.0 for x in values]
+    out, pending = [], 0.0
+    for x in values:
+        pending += x
+        if pending >= bucket_numel:
+            out.append(price(pending))
+            pending = 0.0
+        else:
+            out.append(0.0)
+    if pending and out:
+        out[-1] += price(pending)
+    return out
+
+
+def _overlap(compute: Sequence[float], pre: Sequence[float], post: Sequence[float], overlap_pre: bool,
+             overlap_post: bool, cluster: ClusterSpec) -> float:
+    """Exposed seconds of the collectives beside `compute` (overlap.exposed_s for those the engine
+    overlaps, the whole of the others), plus the slowdown of the compute under the hidden ones
+    (overlap.hidden_penalty_s: NCCL's kernel takes SMs)."""
+    zeros = [0.0] * len(compute)
+    ov_pre, ov_post = (pre if overlap_pre else zeros), (post if overlap_post else zeros)
+    exposed = exposed_s(compute, ov_pre, ov_post)
+    hidden = sum(ov_pre) + sum(ov_post) - exposed
+    serial = (0.0 if overlap_pre else sum(pre)) + (0.0 if overlap_post else sum(post))
+    return exposed + serial + hidden_penalty_s(hidden, cluster)
+
+
+def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layout: ZeroLayout, engine: Engine,
+                  groups: DpGroups) -> None:
+    """The rank's data-parallel traffic under `layout` (which collective, how often) and `engine` (what
+    overlaps, in which buckets). Weights travel in the training dtype, gradients at grad_wire_bytes.
+
+    Per microbatch: ZeRO-3's forward gather of each layer (prefetched one layer ahead when
+    param_gather_overlap: FSDP2, Li et al. VLDB 2020's two-stream model in overlap.py), its backward
+    gather and, when gradients are reduced every microbatch, the reduce-scatter of each layer's
+    gradients (overlapped with the backward of the layers before it when dp_comm_overlap).
+    Per step: a reduction deferred to the last microbatch runs in buckets as that backward produces
+    them (the exposed part is what is left when this rank's backward ends: at least the last bucket)
+    or, without dp_comm_overlap, after the schedule in full (Megatron's local DDP: one all-reduce of
+    the contiguous buffer); ZeRO-1/2's weight all-gather after the sharded optimizer step (Rajbhandari
+    et al. 2020, section 5) overlaps the next forward with param_gather_overlap (Megatron
+    --overlap-param-gather), else is exposed."""
+    if groups.dense.size <= 1 and groups.expert.size <= 1:
+        return
+    w, _, _ = state_bytes_per_param(cluster.dtype, engine)
+    wire = grad_wire_bytes(cluster.dtype, engine)
+    reduce_fn = comm.reduce_scatter_s if layout.grad_reduction == "reduce_scatter" else comm.all_reduce_s
+    dense = [c.grad_param_count for c in rank.costs]
+    expert = [c.expert_param_count for c in rank.costs]
+    fwd = [c.fwd_s + c.fwd_comm_s for c in rank.costs]
+    bwd = [c.time_s - f for c, f in zip(rank.costs, fwd)]
+
+    def gathers(order: Sequence[int]) -> list[float]:
+        return [comm.all_gather_s(dense[i] * w, groups.dense, cluster)
+                + comm.all_gather_s(expert[i] * w, groups.expert, cluster) for i in order]
+
+    def reduces(order: Sequence[int]) -> list[float]:
+        d = _bucketed([dense[i] for i in order], engine.dp_bucket_numel,
+                      lambda n: reduce_fn(n * wire, groups.dense, cluster))
+        e = _bucketed([expert[i] for i in order], engine.dp_bucket_numel,
+                      lambda n: reduce_fn(n * wire, groups.expert, cluster))
+        return [a + b for a, b in zip(d, e)]
+
+    order, back = list(range(len(fwd))), list(reversed(range(len(fwd))))
+    none = [0.0] * len(fwd)
+    # FSDP2 copies each gathered block out of the all-gather buffer into its parameters on the compute
+    # stream (torch.distributed.fsdp _fsdp_param_group.wait_for_unshard -> foreach_all_gather_copy_out):
+    # a read and a write of the unsharded weights per gather
+    copy_out = memory_time_s(cluster.device, 2.0 * w * (sum(dense) + sum(expert))) if engine.gather_copy_out else 0.0
+    dp_f = dp_b = 0.0
+    if layout.weight_gathers_per_microbatch >= 2:
+        dp_f = _overlap(fwd, gathers(order), none, engine.param_gather_overlap, True, cluster) + copy_out
+    if layout.weight_gathers_per_microbatch >= 1 or layout.reduce_every_microbatch:
+        pre = gathers(back) if layout.weight_gathers_per_microbatch >= 1 else none
+        post = reduces(back) if layout.reduce_every_microbatch else none
+        dp_b = _overlap(bwd[::-1], pre, post, engine.param_gather_overlap, engine.dp_comm_overlap, cluster)
+        dp_b += copy_out if layout.weight_gathers_per_microbatch >= 1 else 0.0
+    rank.dp += dp_f + dp_b
+    rank.fwd += dp_f
+    rank.bwd += dp_b
+    if not layout.reduce_every_microbatch:
+        if engine.dp_comm_overlap:
+            rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster)
+        else:
+            rank.dp_tail += (reduce_fn(sum(dense) * wire, groups.dense, cluster)
+                             + reduce_fn(sum(expert) * wire, groups.expert, cluster))
+    if layout.weight_gathers_per_step:
+        rank.param_gather += copy_out
+        if engine.param_gather_overlap:
+            rank.param_gather += _overlap(fwd, gathers(order), none, True, True, cluster)
+        else:
+            rank.param_gather += (comm.all_gather_s(sum(dense) * w, groups.dense, cluster)
+                                  + comm.all_gather_s(sum(expert) * w, groups.expert, cluster))
+
+
+def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
+    """The weight matrices of a layer on this device (elements, after tp), in forward order: a block's
+    QKV, projection and n_mlp MLP matmuls (the remaining parameters, norms and biases, ride with the
+    projection); any other layer is one parameter."""
+    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
+    if shape is None or layer.role is not LayerRole.BLOCK:
+        return [float(cost.grad_param_count + cost.expert_param_count)]
+    t = config.tp
+    qkv, proj = shape.h * shape.qkv_out_width / t, shape.h * shape.h / t
+    mlp = [shape.h * shape.f / t] * (shape.n_mlp * shape.dense_mlps)
+    rest = max(cost.grad_param_count + cost.expert_param_count - qkv - proj - sum(mlp), 0.0)
+    return [qkv, proj + rest, *mlp] if shape.num_experts == 0 else [qkv, proj, *mlp, rest]
+
+
+def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
+    """A block's parameters besides its weight matrices (elements on this device), the ones DeepSpeed
+    keeps persistent below stage3_param_persistence_threshold: a GPT block's two LayerNorms (weight and
+    bias, h each), the QKV and first MLP biases (column-parallel: split over tp) and the projection and
+    second MLP biases (row-parallel: h each), when those sum to the block's remaining parameters (Megatron
+    GPT, Shoeybi et al. 2019); otherwise the remainder as norm-sized (h) parameters (a Llama block: two
+    RMSNorm weights). Other layers: none."""
+    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
+    if shape is None or layer.role is not LayerRole.BLOCK:
+        return []
+    t, h = config.tp, float(shape.h)
+    weights = h * (shape.qkv_out_width + shape.h) / t + h * shape.f / t * shape.n_mlp * shape.dense_mlps
+    rest = max(cost.grad_param_count + cost.expert_param_count - weights, 0.0)
+    gpt = [h, h, shape.qkv_out_width / t, h, h, h, shape.f / t, h]
+    if shape.num_experts == 0 and abs(sum(gpt) - rest) <= 0.01 * rest:
+        return gpt
+    count = round(rest / h)
+    return [rest / count] * count if count else []
+
+
+def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, engine: Engine,
+                   groups: DpGroups) -> None:
+    """Replace the rank's per-microbatch forward and backward by DeepSpeed stage 3's timeline
+    (cost/deepspeed.py): per-parameter all-gathers over the data-parallel group (plus, with
+    zero3_gather_copy_out, the zero fill of the output, waited for by the device synchronize before the
+    gather, then torch's copy of the gathered list into each of the n outputs: two passes over the
+    parameter on the communication stream and deepspeed.GATHER_OPS_PER_RANK x n ops at op_overhead_s on
+    the host, before the compute), bucketed gradient reductions of
+    zero3_grad_reduction, one sub-module of prefetch; with zero3_regather_persistent, the per-step
+    re-gather of the persistent parameters (deepspeed.persistent_regather) after the optimizer."""
+    w, _, _ = state_bytes_per_param(cluster.dtype, engine)
+    wire = grad_wire_bytes(cluster.dtype, engine)
+    n = groups.dense.size
+    reduce_fn = comm.all_reduce_s if engine.zero3_grad_reduction == "all_reduce" else comm.reduce_scatter_s
+
+    def gather_s(numel: float) -> float:
+        t = comm.all_gather_s(numel * w, groups.dense, cluster)
+        if engine.zero3_gather_copy_out:  # the n copies out of the flat result read and write it once
+            t += memory_time_s(cluster.device, 2.0 * numel * w)
+        return t
+
+    def fill_s(numel: float) -> float:
+        # partition_parameters.py _allgather_param: torch.zeros(aligned_param_size) on the comm stream, then
+        # torch.cuda.synchronize() before the all_gather: the fill is waited for, not overlapped
+        return memory_time_s(cluster.device, numel * w) if engine.zero3_gather_copy_out else 0.0
+
+    op = cluster.device.op_overhead_s
+    issue = ds.GATHER_OPS_PER_RANK * n * op if engine.zero3_gather_copy_out else 0.0
+
+    def reduce_s(numel: float) -> float:
+        # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
+        # flatten the bucket, divide by n, reduce, copy back into the gradients: three read + write passes
+        fallback = engine.zero3_grad_reduction == "all_reduce"
+        passes = memory_time_s(cluster.device, 3.0 * 2.0 * numel * wire) if fallback else 0.0
+        return reduce_fn(numel * wire, groups.dense, cluster) + passes
+
+    full = config.recompute.value == "full"
+    layers = []
+    for c, layer in zip(rank.costs, rank.layers):
+        numels = layer_numels(layer, c, graph, config)
+        rank.max_param_numel = max(rank.max_param_numel, max(numels))
+        # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
+        norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
+        layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
+                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full))
+    fwd, bwd, comm_s = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
+                                       issue_s=issue, fill_s=fill_s)
+    base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
+    base_b = sum(c.time_s for c in rank.costs) - base_f
+    exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)
+    penalty = hidden_penalty_s(max(comm_s - exposed, 0.0), cluster)
+    rank.fwd += fwd - base_f
+    rank.bwd += bwd - base_b + penalty
+    rank.dp += exposed + penalty
+    if engine.zero3_regather_persistent:  # once per step, after the optimizer (stage3.py _post_step)
+        small = [x for c, layer in zip(rank.costs, rank.layers) for x in layer_small_numels(layer, c, graph, config)
+                 if x < engine.zero3_persistence_numel]
+        ops, elements = ds.persistent_regather(small, n)
+        rank.param_gather += ops * op + comm.all_gather_s(elements * w, groups.dense, cluster)

@@ -1,0 +1,231 @@
+"""DeepSpeed ZeRO-3's timeline for one microbatch on one rank, from its stage-3 code (engine zero3 =
+'deepspeed'; the fields cite deepspeed/runtime/zero/stage3.py and partition_parameters.py):
+
+- every parameter of at least zero3_persistence_numel elements is partitioned and all-gathered on its own
+  (partition_parameters.py _allgather_param: one torch.distributed.all_gather per parameter, over the
+  whole data-parallel group) when its sub-module runs; smaller ones stay replicated;
+- fetch_sub_module all-gathers what is missing, then waits for every gather in flight (and, with
+  zero3_sync_per_module, synchronizes the device: the host cannot run ahead, so each sub-module's host
+  time adds to its kernels'); prefetch_next_sub_modules queues the next parameters, only when nothing is
+  in flight and fewer than zero3_max_live_numel elements are gathered (stage3_max_live_parameters), up
+  to zero3_prefetch_numel elements: at most one sub-module of prefetch;
+- release_sub_module re-partitions a parameter after use unless it is needed again within
+  zero3_max_reuse_numel elements (_keep_for_later): the recomputed forward and the backward gather again;
+- gradients are reduced in buckets of zero3_reduce_bucket_numel elements (reduce_ipg_grads) with an
+  all-reduce or a reduce-scatter, one bucket at a time on the reduction stream;
+- with zero3_gather_copy_out, each gather costs the host a narrow and a copy per rank (GATHER_OPS_PER_RANK):
+  _allgather_param builds the list of n output views in Python (`for i in range(world_size):
+  partitions.append(flat_tensor.narrow(...))`), and torch.distributed.all_gather into that list
+  (ProcessGroupNCCL's allgather of PyTorch 1.8: flatten, ncclAllGather, then
+  outputTensors[i][j].copy_(outputFlattened[i][j], true) for each of the n outputs) launches n copies from
+  the calling thread before it returns; the prefetch is issued before the sub-module's compute
+  (pre_sub_module_forward_function: fetch, then prefetch_next, then the forward), so those ops delay the
+  compute. The gathered parameter is first zero-filled (torch.zeros(aligned_param_size)) and copied out
+  once: three passes over its bytes on the communication stream;
+- with zero3_regather_persistent, the step ends by gathering the persistent parameters again
+  (persistent_regather: stage3.py _post_step after _partition_all_parameters released them at the end of
+  the backward), a host loop over the ranks per parameter.
+
+The sub-modules of a transformer block are its weight matmuls (QKV, projection, the MLP's), each priced
+with its share of the block's FLOPs, on a compute and a communication stream (_simulate).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from autoplan.plan.engine import Engine
+
+# Host cost of the small ops in DeepSpeed's per-rank loops, in eager ops (device.op_overhead_s: Python,
+# dispatcher and a kernel launch, about 10 us). A Python view op (narrow, view) launches nothing: about a
+# third of that (split: 3.3 us in PyTorch's operator microbenchmarks, pytorch/pytorch PR #32194, 2020;
+# "approx half of it is python parsing overhead", pytorch/pytorch#41383). A copy_ issued from C++
+# (ProcessGroupNCCL's copy-out) skips the Python parsing: the other two thirds.
+VIEW_OP = 1.0 / 3.0
+CXX_COPY_OP = 2.0 / 3.0
+# One gathered parameter, per rank (zero3_gather_copy_out): the Python narrow that builds the output list
+# (partition_parameters.py _allgather_param) and the copy_ of ProcessGroupNCCL's copy-out.
+GATHER_OPS_PER_RANK = VIEW_OP + CXX_COPY_OP
+# One persistent parameter copied out of the flat all-gather, per rank (partition_parameters.py v0.3.16
+# _allgather_params: `part_to_copy = partitions[i].narrow(...)`,
+# `replicated_tensor.view(-1).narrow(...).copy_(part_to_copy)`): three Python views and a Python copy_.
+REGATHER_OPS_PER_RANK = 3.0 * VIEW_OP + 1.0
+# ... and outside the rank loop: torch.empty of its replica in _allgather_params, and its release after
+# the backward (_partition_param: param.data = torch.ones(1, dtype).to(device)): three eager ops.
+REGATHER_OPS_PER_PARAM = 3.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Module:
+    """One sub-module: its parameters (elements), its share of the layer's forward / backward compute
+    (device + host, seconds), and the host share separately (what a device sync exposes)."""
+
+    numel: float
+    fwd_s: float
+    bwd_s: float
+    host_fwd_s: float = 0.0
+    host_bwd_s: float = 0.0
+
+
+def block_modules(numels: Sequence[float], fwd_s: float, bwd_s: float, rec_s: float, host_s: float,
+                  recompute: bool) -> tuple[list[Module], list[Module]]:
+    """(forward modules, recomputed-forward modules) of one layer, its time split by parameter share
+    (the weight matmuls dominate a block's time; a layer with one module takes all of it). Host time
+    splits the same way over forward, recompute and backward (1 : 1 : 2, compute.BACKWARD_OPS_PER_FORWARD_OP)."""
+    total = sum(numels) or 1.0
+    host_f = host_s / (4.0 if recompute else 3.0)
+    mods = [Module(numel=n, fwd_s=fwd_s * n / total, bwd_s=bwd_s * n / total, host_fwd_s=host_f * n / total,
+                   host_bwd_s=2.0 * host_f * n / total) for n in numels]
+    recs = [Module(numel=n, fwd_s=rec_s * n / total, bwd_s=0.0, host_fwd_s=host_f * n / total) for n in numels]
+    return mods, recs
+
+
+def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: Engine, *, recompute: bool,
+                 gather_s: Callable[[float], float], reduce_s: Callable[[float], float],
+                 issue_s: float = 0.0, fill_s: Callable[[float], float] | None = None) -> tuple[float, float, float]:
+    """(forward, backward, communication) seconds of one microbatch through `layers` (model order),
+    each layer given as (its modules, its recomputed-forward modules). gather_s(numel) prices one
+    parameter's all-gather on the communication stream, reduce_s(numel) one gradient bucket's
+    reduction, issue_s the host time to issue one gather (its copy-out launches) and fill_s(numel) the
+    zero fill of its output buffer that the device synchronize before the gather waits for, both on the
+    compute stream's critical path. Forward and backward are makespans of _simulate, host time included."""
+    sync = engine.zero3_sync_per_module
+    fwd_steps = [_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
+                       partitioned=_partitioned(m, engine), keep=False)
+                 for li, (mods, _) in enumerate(layers) for mi, m in enumerate(mods)]
+    fwd, comm_f = _simulate(fwd_steps, engine, gather_s, issue_s, fill_s)
+    bwd, comm_b = _simulate(_backward_steps(layers, engine, recompute, reduce_s, sync), engine, gather_s, issue_s,
+                            fill_s)
+    return fwd, bwd, comm_f + comm_b
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One sub-module's use: which parameter (key), its size, its compute, whether it is partitioned,
+    whether it stays gathered after (reuse within zero3_max_reuse_numel), the reduction queued after it."""
+
+    key: tuple[int, int]
+    numel: float
+    compute: float
+    partitioned: bool
+    keep: bool
+    post: float = 0.0
+
+
+def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], float], issue_s: float,
+              fill_s: Callable[[float], float] | None = None) -> tuple[float, float]:
+    """stage3.py's fetch / prefetch / release on a compute and a communication stream (the makespan, and
+    the communication time): fetch_sub_module gathers the module's parameter unless it is held or in
+    flight and waits for it; prefetch_next_sub_modules then issues the next module's gather, only if no
+    prefetch is in flight and the gathered parameters (total_available_parameter_numel, prefetched ones
+    included) are below zero3_max_live_numel (stage3_max_live_parameters); each gather starts with a
+    device synchronize (partition_parameters.py _allgather_param: torch.cuda.synchronize() before the
+    all_gather), so the host waits for both streams, then spends issue_s issuing it, before the compute;
+    release_sub_module re-partitions the parameter unless it is kept. A full gradient bucket is reduced
+    on the reduction stream (one communication line with the gathers: the same NICs) once the host has
+    waited for the previous bucket's reduction (stage3.py reduce_ipg_grads: `if self.overlap_comm:
+    self.reduction_stream.synchronize()`); without dp_comm_overlap it runs on the compute stream."""
+    held: dict[tuple[int, int], float] = {}
+    inflight: dict[tuple[int, int], float] = {}  # key -> time its gather completes
+    now = comm_free = comm_total = last_reduce = 0.0
+
+    def issue(numel: float) -> float:
+        nonlocal now, comm_free, comm_total
+        # the zero-filled output buffer, torch.cuda.synchronize() (which waits for the fill and for both
+        # streams), then the host issues the gather
+        now = max(now, comm_free) + (fill_s(numel) if fill_s else 0.0) + issue_s
+        g = gather_s(numel)
+        comm_free = now + g
+        comm_total += g
+        return comm_free
+
+    for k, st in enumerate(steps):
+        ready = now
+        if st.key in inflight:  # prefetched: wait for it
+            ready = max(now, inflight.pop(st.key))
+        elif st.partitioned and st.key not in held:
+            ready = issue(st.numel)
+            held[st.key] = st.numel
+        nxt = steps[k + 1] if k + 1 < len(steps) else None
+        if (nxt is not None and nxt.partitioned and nxt.key not in held and not inflight
+                and sum(held.values()) < engine.zero3_max_live_numel):
+            inflight[nxt.key] = issue(nxt.numel)
+            held[nxt.key] = nxt.numel  # counted as available once prefetched (_increment_available_parameter_numel)
+        start = max(now, ready)
+        now = start + st.compute
+        if not st.keep:
+            held.pop(st.key, None)
+        if st.post > 0:
+            if engine.dp_comm_overlap:
+                now = max(now, last_reduce)  # the host waits for the previous bucket's reduction
+                comm_free = max(comm_free, now) + st.post
+                last_reduce = comm_free
+            else:
+                now = comm_free = max(comm_free, now) + st.post
+            comm_total += st.post
+    return max(now, comm_free), comm_total
+
+
+def _partitioned(m: Module, engine: Engine) -> bool:
+    return m.numel >= engine.zero3_persistence_numel
+
+
+def _step(m: Module, *, backward: bool, sync: bool) -> float:
+    """A module's time on the compute stream: its kernels (which include the host time as
+    max(device, host)), or kernels + host when a device sync before it empties the queue."""
+    dev = m.bwd_s if backward else m.fwd_s
+    host = m.host_bwd_s if backward else m.host_fwd_s
+    return dev + host if sync else dev
+
+
+def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: bool) -> list[_Step]:
+    """Layers in reverse: the recomputed forward (gathering again; a module stays gathered if fewer than
+    zero3_max_reuse_numel elements are used between its recomputed forward and its backward: stage3.py
+    _keep_for_later -> get_reuse_distance_in_numel sums the parameters of the traced sub-modules in
+    between, here the layer's later modules twice, recomputed and then backward), then the backward in
+    reverse module order (released after); gradients fill buckets, each reduced when full (and the last
+    one at the end)."""
+    steps: list[_Step] = []
+    bucket = 0.0
+    for li in reversed(range(len(layers))):
+        mods, recs = layers[li]
+        if recompute:
+            for mi, m in enumerate(recs):
+                # the trace between this recomputed use and the module's backward: the recomputed modules
+                # after it, then their backwards (stage3.py _distance_in_numel over sub_module_trace)
+                used_since = 2.0 * sum(x.numel for x in mods[mi + 1:])
+                steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
+                                   partitioned=_partitioned(m, engine), keep=used_since < engine.zero3_max_reuse_numel))
+        for mi in reversed(range(len(mods))):
+            m = mods[mi]
+            bucket += m.numel
+            full = bucket >= engine.zero3_reduce_bucket_numel
+            steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=True, sync=sync),
+                               partitioned=_partitioned(m, engine), keep=False,
+                               post=reduce_s(bucket) if full else 0.0))
+            bucket = 0.0 if full else bucket
+    if bucket and steps:
+        last = steps[-1]
+        steps[-1] = _Step(key=last.key, numel=last.numel, compute=last.compute, partitioned=last.partitioned,
+                          keep=last.keep, post=last.post + reduce_s(bucket))
+    return steps
+
+
+def persistent_regather(numels: Sequence[float], n: int) -> tuple[float, float]:
+    """(host ops, gathered elements) of stage3.py _post_step's `persistent_parameters[0].all_gather(...)`
+    over the persistent parameters `numels` on a data-parallel group of n (DeepSpeed v0.3.16,
+    partition_parameters.py _allgather_params): the flat output's n partitions are narrowed in Python and
+    the list all-gather copies each out (GATHER_OPS_PER_RANK per rank), then each parameter is rebuilt
+    from the ranks that hold a piece of it, ceil(numel / ceil(numel / n)) of them (its partition is
+    ceil(numel / n) elements), REGATHER_OPS_PER_RANK ops each, plus REGATHER_OPS_PER_PARAM. The gather
+    moves n x the summed partitions."""
+    if n <= 1 or not numels:
+        return 0.0, 0.0
+    ops, parts = float(GATHER_OPS_PER_RANK * n), 0.0
+    for numel in numels:
+        part = math.ceil(numel / n)
+        ops += REGATHER_OPS_PER_PARAM + REGATHER_OPS_PER_RANK * math.ceil(numel / part)
+        parts += part
+    return ops, parts * n

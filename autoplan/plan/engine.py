@@ -1,0 +1,116 @@
+"""The training engine a plan runs under: how it computes attention, which kernels it fuses, what it
+overlaps, how its ZeRO-3 gathers. A step time depends on the engine as much as on the plan.
+
+`Engine.load(name_or_path)` reads engines/<name>.yaml (shipped) or a user's YAML file; every field of a
+shipped engine cites the engine's docs or code beside it. Frozen, so `dataclasses.replace` builds
+variants: `replace(Engine.load("megatron-core"), attention="unfused")`; each field changes the estimate
+through its own mechanism only (see autoplan/cost). This module imports nothing else from autoplan at
+import time (the loader is imported when `load` is called).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+ATTENTION_KINDS = ("flash", "unfused")
+SELECTIVE_KINDS = ("attention", "op")
+ZERO3_KINDS = ("fsdp2", "deepspeed")
+GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Engine:
+    """What the cost model needs to know about the software that runs a plan. Defaults: autoplan's own
+    executor (eager PyTorch, SDPA attention, FSDP2, DTensor TP without overlap)."""
+
+    name: str = "autoplan"
+    # --- contract fields (issue 8) ---
+    attention: str = "flash"  # 'flash': fused kernel, no s x s scores stored; 'unfused': scores materialised
+    fused_elementwise: bool = False  # bias+activation, bias+dropout+residual and norms as single kernels
+    tp_comm_overlap: bool = False  # TP all-gather / reduce-scatter overlapped with the GEMMs beside them
+    dp_comm_overlap: bool = True  # gradient reduction overlapped with the backward (buckets / hooks)
+    param_gather_overlap: bool = True  # ZeRO weight all-gathers overlapped with compute (prefetch; ZeRO-1/2: next forward)
+    cuda_graphs: bool = False  # kernels replayed from CUDA graphs: no host cost per op
+    zero3: str = "fsdp2"  # how ZeRO-3 gathers: FSDP2 (per block, prefetched) or DeepSpeed stage 3
+    # --- additive fields the physics needs ---
+    tp_bwd_overlap: bool = False  # column-parallel input-gradient TP collectives overlap their weight-gradient GEMMs
+    description: str = "autoplan's executor (eager PyTorch, SDPA attention, FSDP2, DTensor TP, torch.distributed.pipelining)"
+    block_forward_ops: int = 0  # host-issued ops in one block's forward (0: the captured graph's count)
+    block_backward_ops: int = 0  # ... in its backward (0: compute.BACKWARD_OPS_PER_FORWARD_OP x forward)
+    checkpoint_forward_ops: int = 0  # host ops of the activation-checkpoint wrapper around a fully recomputed block, forward
+    checkpoint_backward_ops: int = 0  # ... and in its backward (RNG state restore, detach, the re-entrant backward)
+    main_grads_fp32: bool = False  # gradients accumulate in an fp32 buffer (Megatron main_grad): 4 B/param
+    grad_reduce_fp32: bool = True  # bf16/fp8 training reduces gradients in fp32 (fp16 always in fp16)
+    pipelined_fsdp_defers_sync: bool = True  # with pp > 1, FSDP gradient sync waits for the last microbatch
+    dp_bucket_numel: int = 0  # gradient bucket size (elements) of the DP reduction; 0: one bucket per layer
+    gather_copy_out: bool = True  # all-gathered weights are copied out of the collective's buffer on the compute stream
+    tp_splits_unfolded_experts: bool = False  # unfolded routed experts split over the dense tp group (plan.layout.expert_tp_split)
+    selective_recompute: str = "attention"  # what 'selective' recomputes: Megatron's attention core, or torchtitan's per-op policy
+    # what autograd keeps for the backward (cost/memory.block_activation_bytes)
+    sp_saves_gathered_input: bool = True  # with SP, the column-parallel linears keep their all-gathered input (DTensor), not the local shard
+    attention_saves_repeated_kv: bool = True  # grouped-query K / V are repeated to the query heads before the attention kernel, which keeps them
+    cp_saves_gathered_kv: bool = True  # context parallelism keeps the all-gathered K / V for the attention backward (not re-exchanged)
+    # DeepSpeed ZeRO-3 (zero3='deepspeed'); ignored with fsdp2
+    zero3_prefetch_numel: int = 50_000_000  # stage3_prefetch_bucket_size
+    zero3_max_reuse_numel: int = 1_000_000_000  # stage3_max_reuse_distance
+    zero3_max_live_numel: int = 1_000_000_000  # stage3_max_live_parameters: no prefetch above this many gathered
+    zero3_persistence_numel: int = 100_000  # stage3_param_persistence_threshold: smaller params not sharded
+    zero3_reduce_bucket_numel: int = 500_000_000  # reduce_bucket_size
+    zero3_grad_reduction: str = "reduce_scatter"  # 'all_reduce' (DeepSpeed 2021 default) or 'reduce_scatter'
+    zero3_sync_per_module: bool = False  # a device synchronize before each sub-module's compute
+    zero3_gather_copy_out: bool = False  # all_gather into a list: one copy kernel per rank per gather
+    zero3_fetch_norm: bool = False  # every fetched parameter's norm is computed (a debug f-string evaluated eagerly)
+    zero3_regather_persistent: bool = False  # the step ends by re-gathering the persistent parameters rank by rank
+    source: str = ""  # the file it came from
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("attention", ATTENTION_KINDS), ("zero3", ZERO3_KINDS),
+                              ("zero3_grad_reduction", GRAD_REDUCTIONS), ("selective_recompute", SELECTIVE_KINDS)):
+            value = getattr(self, name)
+            if value not in allowed:
+                raise ValueError(f"engine field {name!r} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ValueError(f"engine field {f.name!r} must be true or false, got {value!r}")
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"engine field {f.name!r} must be a non-negative integer, got {value!r}")
+
+    @staticmethod
+    def load(name_or_path: str | os.PathLike[str]) -> Engine:
+        """A shipped engine by name (see `Engine.names()`) or an engine YAML file by path."""
+        from autoplan.cluster.engines import load_engine
+
+        return load_engine(name_or_path)
+
+    @staticmethod
+    def names() -> tuple[str, ...]:
+        """Names of the shipped engines."""
+        from autoplan.cluster.engines import engine_names
+
+        return engine_names()
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Engine:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown engine field(s) {unknown}: known fields are {sorted(known)}")
+        return cls(**data)
+
+
+def as_engine(engine: Engine | str | os.PathLike[str] | None) -> Engine:
+    """An Engine from an Engine, a shipped name or a path; None is the default (autoplan's executor)."""
+    if engine is None:
+        return Engine()
+    if isinstance(engine, Engine):
+        return engine
+    if isinstance(engine, (str, os.PathLike)):
+        return Engine.load(engine)
+    raise ValueError(f"engine must be an Engine, a shipped engine name or a YAML path, got {type(engine).__name__}")

@@ -1,0 +1,311 @@
+"""The quick estimate's step assembly over [candidates, pipeline ranks] arrays, built from the exact cost
+model's own functions: the ZeRO layout (plan.layout.zero_layout), bytes per parameter and on the wire
+(cost.memory.state_bytes_per_param, cost.dataparallel.grad_wire_bytes), the collectives (cost.comm, called
+on the actual message sizes), SM contention, FSDP2's copy-out, Adam's traffic, NCCL's buffers, ZeRO-3's
+working set and the in-flight microbatches. Memory is the exact model's sum term by term; time replaces
+the two-stream simulation of identical layers by its closed form (overlap.overlapped_s with L equal layers
+of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) max(c, g + q) + q).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.cost import comm
+from autoplan.cost import deepspeed as ds
+from autoplan.cost.dataparallel import grad_wire_bytes
+from autoplan.cost.estimate import adam_bytes_per_param
+from autoplan.cost.experts import expert_dp_placement
+from autoplan.cost.kernels import memory_time_s
+from autoplan.cost.memory import nccl_buffer_bytes, state_bytes_per_param
+from autoplan.cost.overlap import contention_fraction
+from autoplan.plan.engine import Engine
+from autoplan.plan.layout import zero_layout
+from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, int_codes, per_mesh, price_rows
+from autoplan.search.space import RECOMPUTES, SCHEDULES
+
+_LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "reduce_every_microbatch",
+                  "weight_gathers_per_microbatch", "weight_gathers_per_step")
+
+
+def layouts(c: dict[str, np.ndarray], engine: Engine) -> dict[str, np.ndarray]:
+    """zero_layout's fields per candidate (computed once per distinct (zero, pp, dp, ep, cp)), plus whether
+    gradients are reduce-scattered."""
+    keys = np.stack([c["zero"], c["pp"], c["dp"], c["ep"], c["cp"]], axis=1)
+    _, first, inverse = np.unique(int_codes(*keys.T), return_index=True, return_inverse=True)
+    rows = [_layout_row(z, pp, dp, ep, cp, engine.zero3, engine.pipelined_fsdp_defers_sync)
+            for z, pp, dp, ep, cp in keys[first].tolist()]
+    table = np.array(rows)[inverse.reshape(-1)]
+    out = {f: table[:, i] for i, f in enumerate(_LAYOUT_FIELDS)}
+    out["reduce_scatter"] = table[:, len(_LAYOUT_FIELDS)]
+    return out
+
+
+@lru_cache(maxsize=65536)
+def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defers: bool) -> tuple[float, ...]:
+    """zero_layout's fields (and whether gradients are reduce-scattered) as floats, once per distinct input."""
+    lay = zero_layout(ParallelConfig(zero=zero, pp=pp, dp=dp, ep=ep, cp=cp), 1, zero3=zero3,
+                      pipelined_fsdp_defers_sync=defers)
+    return tuple(float(getattr(lay, f)) for f in _LAYOUT_FIELDS) + (float(lay.grad_reduction == "reduce_scatter"),)
+
+
+_KINDS = {"ag": comm.all_gather_s, "rs": comm.reduce_scatter_s, "ar": comm.all_reduce_s}
+# the experts' data-parallel group (cost.experts.expert_dp_placement: dp * cp unfolded, edp when folded)
+EXPERT_DP = ("edp",)
+
+
+def mesh_sizes(c: dict[str, np.ndarray], pricing: Pricing | None = None) -> Mesh:
+    """[n, 7] mesh degrees per candidate (MESH_AXIS_ORDER's five, then the folded expert degrees), with what
+    pricing their collectives shares (search/pricing.py)."""
+    return Mesh.of(np.stack([c[k] for k in MESH_COLS], axis=1), pricing)
+
+
+def expert_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
+    """ParallelConfig.expert_dp per candidate: dp * ep * cp * tp / (expert_tp * expert_ep)."""
+    etp = np.where(c["etp"] > 0, c["etp"], c["tp"])
+    eep = np.where(c["eep"] > 0, c["eep"], c["ep"])
+    return c["dp"] * c["ep"] * c["cp"] * c["tp"] // (etp * eep)
+
+
+def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarray,
+                 cluster: ClusterSpec) -> np.ndarray:
+    """cost.comm's time of `kind` ('ag', 'rs', 'ar') for each candidate's group over `axes` (the mesh from
+    mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array [n] or [n, p]);
+    each distinct (group placement, bytes) pair is priced once (search/pricing.py)."""
+    mesh = sizes if isinstance(sizes, Mesh) else Mesh.of(sizes)
+    per_node = cluster.devices_per_node
+    if axes == EXPERT_DP:
+        def place(row: tuple[int, ...]) -> Any:
+            return expert_dp_placement(config_of(row), per_node)
+    else:
+        def place(row: tuple[int, ...]) -> Any:
+            return comm.group_placement(config_of(row), axes, per_node)
+    fn = _KINDS[kind]
+    return price_rows(mesh, np.round(np.asarray(nbytes, dtype=float)), place, lambda b, group: fn(b, group, cluster),
+                      (axes, kind))
+
+
+def _uniform_exposed(compute: np.ndarray, pre: np.ndarray, post: np.ndarray, layers: np.ndarray) -> np.ndarray:
+    """Exposed communication of `layers` equal layers (per-layer compute c, a prefetched collective g
+    before and a collective q after each), the closed form of overlap.exposed_s: g + (L - 1) max(0,
+    g + q - c) + q; zero when there is nothing to communicate."""
+    c, g, q = compute / layers, pre / layers, post / layers
+    out = g + (layers - 1) * np.maximum(g + q - c, 0.0) + q
+    return np.where((pre > 0) | (post > 0), out, 0.0)
+
+
+def _exposed(compute, pre, post, layers, overlap_pre: bool, overlap_post: bool, f: float) -> np.ndarray:
+    """cost.dataparallel._overlap for equal layers: the overlapped collectives' exposed part, the others
+    in full, plus the compute lost to SM contention under the hidden ones."""
+    zeros = np.zeros_like(compute)
+    ov_pre, ov_post = (pre if overlap_pre else zeros), (post if overlap_post else zeros)
+    exposed = _uniform_exposed(compute, ov_pre, ov_post, layers)
+    hidden = np.maximum(ov_pre + ov_post - exposed, 0.0)
+    serial = (zeros if overlap_pre else pre) + (zeros if overlap_post else post)
+    return exposed + serial + f * hidden
+
+
+def _bucket_count(params: np.ndarray, layers: np.ndarray, bucket: int) -> np.ndarray:
+    """How many collectives a rank's gradients take: one per layer, or per bucket of `bucket` elements."""
+    if not bucket:
+        return layers
+    return np.maximum(np.ceil(params / bucket), 1.0)
+
+
+def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
+             c: dict[str, np.ndarray], pp: int, v: int, global_batch: int, cluster: ClusterSpec,
+             engine: Engine, pricing: Pricing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(step time, peak memory, activations of the most loaded rank) per candidate. `f` holds the per-rank
+    sums [n, p] of the per-layer fields (time, fwd, bwd_weight, act, params, dense_params,
+    expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops and out_bytes;
+    `pricing` what the collectives of one quick estimate share (search/pricing.py)."""
+    m = (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
+    lay = layouts(c, engine)
+    sizes = mesh_sizes(c, pricing)
+    dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
+    w, g, o = state_bytes_per_param(cluster.dtype, engine)
+    wire = grad_wire_bytes(cluster.dtype, engine)
+    frac = contention_fraction(cluster)
+    layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
+    fwd, bwd = f["fwd"], f["time"] - f["fwd"]
+    dense, expert = f["dense_params"], f["expert_params"]
+    hops = extra["hops"] * collective_p2p(extra["out_bytes"], c, cluster, sizes)[:, None] if pp > 1 else 0.0
+
+    def per_layer(kind: str, elem_bytes: float) -> np.ndarray:  # one rank's layers' collectives, summed
+        d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
+        e = collective_s(kind, sizes, expert_axes, expert / layers * elem_bytes, cluster) * layers
+        return d + e
+
+    gather = per_layer("ag", w)
+    rs_or_ar = np.where(lay["reduce_scatter"][:, None] > 0, per_layer("rs", wire), per_layer("ar", wire))
+    reduce = _bucketed_reduce(rs_or_ar, dense + expert, layers, sizes, lay, wire, cluster, engine)
+    copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
+    gmb = lay["weight_gathers_per_microbatch"][:, None]
+    every = lay["reduce_every_microbatch"][:, None] > 0
+    z3_fwd = np.where(gmb >= 2, _exposed(fwd, gather, 0 * gather, layers, engine.param_gather_overlap, True, frac)
+                      + copy_out, 0.0)
+    pre_b = np.where(gmb >= 1, gather, 0.0)
+    post_b = np.where(every, reduce, 0.0)
+    dp_b = _exposed(bwd, pre_b, post_b, layers, engine.param_gather_overlap, engine.dp_comm_overlap, frac)
+    dp_b = np.where((gmb >= 1) | every, dp_b + np.where(gmb >= 1, copy_out, 0.0), 0.0)
+    deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
+    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, frac)
+    x = f["time"] + hops + dp_f + dp_b
+    pipe = _pipeline(x, f["bwd_weight"], c, m, v)
+    step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
+                             dense, expert, wire, w, cluster) + _optimizer(f, c, lay, cluster, engine)
+    if engine.zero3_regather_persistent and "regather_ops" in extra:  # deepspeed.persistent_regather per step
+        step = step + np.where(deepspeed, (extra["regather_ops"][:, None] * layers).max(axis=1)
+                               * cluster.device.op_overhead_s, 0.0)
+    mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
+    return step, mem, acts
+
+
+def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec,
+                   sizes: Mesh | None = None) -> np.ndarray:
+    """cost.comm.p2p_s of the activation a pipeline cut sends, on the link the pp group crosses (each
+    distinct (mesh, bytes) priced once)."""
+    mesh = sizes if sizes is not None else mesh_sizes(c)
+
+    def crosses(row: tuple[int, ...]) -> bool:
+        pp, dp, ep, cp, tp = row[:5]  # the pp group's placement reads MESH_AXIS_ORDER's five
+        cfg = ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
+        return comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes
+
+    return price_rows(mesh, np.round(out_bytes), crosses, lambda b, cross: comm.p2p_s(b, cross, cluster),
+                      ("pp-crosses", "p2p"), skip_nonpositive=False)
+
+
+def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
+    """Reduction time of a rank's gradients: per layer, or in the engine's buckets (dp_bucket_numel)."""
+    if not engine.dp_bucket_numel:
+        return per_layer_total
+    buckets = _bucket_count(params, layers, engine.dp_bucket_numel)
+    one = np.minimum(params / buckets, engine.dp_bucket_numel) * wire
+    rs = collective_s("rs", sizes, ("dp", "ep", "cp"), one, cluster)
+    ar = collective_s("ar", sizes, ("dp", "ep", "cp"), one, cluster)
+    return np.where(lay["reduce_scatter"][:, None] > 0, rs, ar) * buckets
+
+
+def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac):
+    """DeepSpeed stage 3 (cost/deepspeed.py) for equal layers: each layer's parameters gathered one sub-
+    module ahead in forward, again for a full recompute, again in backward unless kept, the buckets reduced
+    as they fill; the host launches of the copy-out delay the compute."""
+    if not mask.any():
+        return dp_f, dp_b
+    dense = f["dense_params"] + f["expert_params"]
+    modules = 4.0 * layers  # a block's weight matrices
+    gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
+    one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster)
+    n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
+    issue = ds.GATHER_OPS_PER_RANK * n * cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0 * n
+    red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
+    buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
+    red = collective_s(red_fn, sizes, ("dp", "ep", "cp"), dense / buckets * wire, cluster) * buckets
+    comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
+    # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
+    full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
+    share = np.where(full, 0.25, 1.0 / 3.0)  # forward : recompute : backward host = 1 : 1 : 2 (block_modules)
+    host_f = f["host"] * share if engine.zero3_sync_per_module else 0.0 * comm_f
+    host_b = f["host"] - host_f if engine.zero3_sync_per_module else 0.0 * comm_f
+    exp_f = _uniform_exposed(f["fwd"] + host_f, comm_f, 0.0 * comm_f, modules) + issue * modules + host_f
+    exp_b = (_uniform_exposed(f["time"] - f["fwd"] + host_b, comm_b, 0.0 * comm_b, modules)
+             + issue * modules * (gathers - 1) + host_b)
+    pen = frac * np.maximum(comm_f + comm_b - exp_f - exp_b + host_f + host_b, 0.0)
+    return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + pen, dp_b)
+
+
+def _pipeline(x, weight, c, m, v):
+    """cost.pipeline.pipeline_time_s over [n, p]: m max_r X_r + (sum_r Y_r - max_r Y_r) / v'."""
+    zb = (c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE))[:, None]
+    y = np.where(zb, np.maximum(x - (2.0 if v == 1 else 3.0) * weight, 0.0), x)
+    chunks = np.where((c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED)) | zb[:, 0], v, 1)
+    return m * x.max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
+
+
+def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac, sizes, dense, expert, wire, w,
+               cluster) -> np.ndarray:
+    """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
+    sum_{k<r} B_k before rank 0) and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
+    once = lay["reduce_every_microbatch"][:, None] == 0
+    if engine.dp_comm_overlap:
+        tail = _exposed(bwd_all, 0.0 * reduce, reduce, layers, True, True, frac)
+    else:
+        d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
+        a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
+        e = collective_s("ar", sizes, EXPERT_DP, expert * wire, cluster)
+        tail = np.where(lay["reduce_scatter"][:, None] > 0, d, a) + e
+    offsets = np.cumsum(bwd_all, axis=1) - bwd_all
+    dp_tail = np.where(once[:, 0], np.maximum((np.where(once, tail, 0.0) - offsets).max(axis=1), 0.0), 0.0)
+    step_gather = lay["weight_gathers_per_step"][:, None] > 0
+    if engine.param_gather_overlap:
+        pg = _exposed(fwd, gather, 0.0 * gather, layers, True, True, frac) + copy_out
+    else:
+        pg = collective_s("ag", sizes, ("dp", "ep", "cp"), dense * w, cluster) + copy_out
+    return dp_tail + np.where(step_gather, pg, 0.0).max(axis=1)
+
+
+def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
+    """estimate._optimizer_s: Adam over the local shard at streaming bandwidth."""
+    dense_n = np.where(lay["shards_optimizer"] > 0, c["dp"] * c["ep"] * c["cp"], 1)[:, None]
+    expert_n = np.where(lay["shards_optimizer"] > 0, expert_dp_degree(c), 1)[:, None]
+    local = (f["dense_params"] / dense_n + f["expert_params"] / expert_n).max(axis=1)
+    return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
+
+
+def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes):
+    """cost.memory.rank_memory term by term: model states under the layout, ZeRO-3's working set,
+    activations x in-flight microbatches + the working set, runtime reserve + NCCL buffers."""
+    dense_n = (c["dp"] * c["ep"] * c["cp"])[:, None]
+    expert_n = expert_dp_degree(c)[:, None]
+    shard = f["dense_params"] / dense_n + f["expert_params"] / expert_n
+    full = f["dense_params"] + f["expert_params"]
+
+    def held(flag: str) -> np.ndarray:
+        return np.where(lay[flag][:, None] > 0, shard, full)
+
+    states = w * held("shards_weights") + g * held("shards_gradients") + o * held("shards_optimizer")
+    fsdp = extra["max_params"] * (3.0 * w + (wire if wire != w else 0.0))
+    ds = (3.0 * extra["max_numel"][:, None] + 2.0 * engine.zero3_reduce_bucket_numel) * w + 0.0 * fsdp
+    working = np.where(deepspeed[:, None], ds, np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0))
+    acts = f["act"] * inflight(c["schedule"], pp, v, m) + extra["work"]
+    nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster))
+    reserve = cluster.device.runtime_reserve_bytes + nccl
+    return (states + working + acts).max(axis=1) + reserve, acts.max(axis=1)
+
+
+def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
+    """cost.pipeline.in_flight_microbatches per [candidate, rank]: GPipe all m; 1F1B and zero bubble
+    p - r; interleaved Megatron's warm-up (2 (p - r - 1) + (v - 1) p + 1) / v; never more than m."""
+    r = np.arange(p)[None, :]
+    s = schedule[:, None]
+    m2 = m[:, None].astype(float)
+    one_f_one_b = np.broadcast_to(p - r, (len(m), p)).astype(float)
+    interleaved = (2.0 * (p - r - 1) + (v - 1) * p + 1) / v
+    out = np.where(s == SCHEDULES.index(Schedule.GPIPE), m2, one_f_one_b)
+    out = np.where((s == SCHEDULES.index(Schedule.INTERLEAVED)) & (v > 1), interleaved, out)
+    return np.minimum(out, m2)
+
+
+def max_param_numel(graph: Any, tp: np.ndarray) -> np.ndarray:
+    """The largest single weight matrix a device holds (cost.dataparallel.layer_numels' rule: a block's
+    QKV, projection or MLP matmul after tp; any other layer is one parameter, vocab-parallel over tp)."""
+    from autoplan.cost.compute import block_shape
+    from autoplan.graph.types import LayerRole
+
+    out = np.zeros(len(tp))
+    for t in np.unique(tp).tolist():
+        best = 0.0
+        for layer in graph.layers:
+            shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
+            if shape is not None and layer.role is LayerRole.BLOCK:
+                best = max(best, shape.h * max(shape.qkv_out_width, shape.h, shape.f) / t)
+            else:
+                best = max(best, layer.num_params / (t if layer.role in (LayerRole.EMBEDDING, LayerRole.HEAD) else 1))
+        out[tp == t] = best
+    return out

@@ -1,0 +1,128 @@
+"""One accuracy bench: every public check in one table, per set and per engine.
+
+    python bench/accuracy.py [--rows]
+
+Targets (issue 8): vTrain multi-node and single-node (measured Megatron-DeepSpeed iterations,
+bench/data/vtrain), the SC'21 calibration rows and Korthikanti et al.'s per-layer times
+(bench/data/calibration). Checks, printed and never fitted to: the other published runs in
+bench/data/published (SC'21 Tables 1-2, Llama 3 405B, torchtitan on A100), the same-scale ZeRO-3 vs
+PTD-P pairs and whether every run that ran is predicted to fit. Errors are step-time errors,
+predicted / measured - 1: negative means predicted too fast. Runs from a clean clone (no files outside it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autoplan
+
+import validate_calibration
+import validate_vtrain
+from published import Result, predict, records
+
+TARGETS = ("vtrain-multi", "vtrain-single", "calibration", "korthikanti-layer")
+
+
+def vtrain_results(name: str, set_name: str) -> list[Result]:
+    engine = validate_vtrain.vtrain_engine()
+    out = []
+    for row in validate_vtrain.read_rows(name):
+        out.append(Result(set=set_name, label=validate_vtrain.describe(row), engine=engine.name,
+                          predicted_s=validate_vtrain.predict_s(row, engine),
+                          measured_s=row["iteration time (ms)"] / 1e3))
+    return out
+
+
+def summary(results: list[Result]) -> str:
+    errors = [r.error for r in results]
+    worst = max(results, key=lambda r: abs(r.error))
+    return (f"{len(results):5d}  MAPE {100 * statistics.mean(abs(e) for e in errors):5.1f} %  median |e| "
+            f"{100 * statistics.median(abs(e) for e in errors):5.1f} %  median signed "
+            f"{100 * statistics.median(errors):+6.1f} %  worst {100 * worst.error:+6.1f} %")
+
+
+def print_table(results: list[Result]) -> None:
+    by_set: dict[str, list[Result]] = defaultdict(list)
+    for r in results:
+        by_set[r.set].append(r)
+    print(f"{'set':22s} {'engine':18s}  {'runs':>5s}")
+    for name, rs in by_set.items():
+        kind = "target" if name in TARGETS else "check"
+        print(f"{name:22s} {'(all)':18s} {summary(rs)}   [{kind}]")
+        engines = sorted({r.engine for r in rs})
+        for engine in engines if len(engines) > 1 else ():
+            print(f"{'':22s} {engine:18s} {summary([r for r in rs if r.engine == engine])}")
+    print()
+    by_engine: dict[str, list[Result]] = defaultdict(list)
+    for r in results:
+        by_engine[r.engine].append(r)
+    print("per engine, over every set:")
+    for engine, rs in sorted(by_engine.items()):
+        print(f"  {engine:18s} {summary(rs)}")
+
+
+def print_pairs(results: list[Result]) -> None:
+    """Narayanan et al. SC'21 Table 2: ZeRO-3 (DeepSpeed, no model parallelism) against PTD-P at the same
+    GPU count: the published speed-up of PTD-P and the predicted one (ratio of step times)."""
+    by_id = {r.label: r for r in results}
+    print("ZeRO-3 vs PTD-P at the same scale (SC'21 Table 2): PTD-P speed-up, published / predicted")
+    right = 0
+    pairs = sorted({rec["pair"] for rec in records() if rec.get("pair")}, key=lambda p: (p.split("-")[0], int(p.split("-")[1])))
+    for pair in pairs:
+        size, gpus = pair.split("-")
+        z, p = by_id[f"sc21-t2-zero3-{size}-{gpus}"], by_id[f"sc21-t2-ptdp-{size}-{gpus}"]
+        published, predicted = z.measured_s / p.measured_s, z.predicted_s / p.predicted_s
+        right += (published > 1) == (predicted > 1)
+        print(f"  {size} on {gpus:>4s} GPUs: x{published:.2f} published, x{predicted:.2f} predicted  (ZeRO-3 step "
+              f"{z.predicted_s:.1f} s predicted / {z.measured_s:.1f} s measured; PTD-P {p.predicted_s:.1f} / "
+              f"{p.measured_s:.1f} s)")
+    print(f"  {right} of {len(pairs)} pairs in the published order")
+
+
+def print_fits(results: list[Result]) -> None:
+    misses = [r for r in results if not r.fits]
+    print(f"runs that ran, predicted to fit: {sum(r.fits for r in results)} of {len(results)}")
+    for r in misses:
+        mem = r.estimate.memory
+        print(f"  predicted NOT to fit: {r.label} ({r.estimate.peak_mem_bytes / 2**30:.1f} GiB: weights "
+              f"{mem.weights / 2**30:.1f}, grads {mem.gradients / 2**30:.1f}, optimizer {mem.optimizer / 2**30:.1f}, "
+              f"activations {mem.activations / 2**30:.1f}, reserve {mem.reserve / 2**30:.1f})")
+    for r in results:
+        if r.set == "llama3-405b":
+            e = r.estimate
+            print(f"  {r.label}: MFU {e.mfu:.3f} predicted, step {r.predicted_s:.2f} s vs {r.measured_s:.2f} s "
+                  f"({100 * r.error:+.1f} %), peak {e.peak_mem_bytes / 2**30:.1f} GiB, fits {e.fits}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", action="store_true", help="every check row, not only the summaries")
+    args = parser.parse_args()
+    results = (vtrain_results("ground_truth_multi.csv", "vtrain-multi")
+               + vtrain_results("ground_truth_single.csv", "vtrain-single")
+               + validate_calibration.calibration_results() + validate_calibration.korthikanti_results())
+    checks = [predict(rec) for rec in records()]
+    print_table(results + checks)
+    print()
+    for r in validate_calibration.korthikanti_results():
+        print(f"  Korthikanti per-layer {r.label:40s} {1e3 * r.predicted_s:6.2f} ms vs {1e3 * r.measured_s:5.1f} ms "
+              f"({100 * r.error:+.1f} %)")
+    print()
+    print_pairs(checks)
+    print()
+    print_fits(validate_calibration.calibration_results() + checks)
+    if args.rows:
+        print()
+        for r in checks:
+            print(f"  {r.set:20s} {r.label:36s} {r.engine:13s} predicted {r.predicted_s:8.2f} s  measured "
+                  f"{r.measured_s:8.2f} s  {100 * r.error:+6.1f} %  fits {r.fits}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

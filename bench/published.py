@@ -1,0 +1,88 @@
+"""The published checks (bench/data/published/published_runs.json) as predictions: each record is run through
+the cost model as a user would describe it (the model's shape, the cluster profile, the config, the
+engine) and compared with what its source measured. Printed by bench/accuracy.py; never fitted to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autoplan
+
+from graphs import gpt_graph, llama_graph
+
+from autoplan.cluster.load import Cluster
+from autoplan.cost import estimate_config
+from autoplan.graph.types import LayerGraph
+from autoplan.plan.engine import Engine
+from autoplan.plan.types import Estimate, ParallelConfig
+
+DATA = Path(__file__).resolve().parent / "data"
+RUNS = DATA / "published" / "published_runs.json"
+
+
+@dataclass(frozen=True)
+class Result:
+    """One run: predicted and measured step time (seconds), the error (predicted / measured - 1: negative
+    = predicted too fast), and whether the prediction says it fits."""
+
+    set: str
+    label: str
+    engine: str
+    predicted_s: float
+    measured_s: float
+    fits: bool = True
+    estimate: Estimate | None = None
+
+    @property
+    def error(self) -> float:
+        return self.predicted_s / self.measured_s - 1.0
+
+
+def megatron_flops(*, B: int, s: int, l: int, h: int, V: int) -> float:
+    """Narayanan et al. 2021, appendix: FLOPs per iteration with full recompute (their TFLOP/s count it)."""
+    return 96.0 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
+
+
+def graph_of(model: dict) -> LayerGraph:
+    if model["family"] == "gpt":
+        return gpt_graph(h=model["hidden"], a=model["heads"], layers=model["layers"], seq=model["seq_len"],
+                         vocab=model["vocab"], ffn=model.get("ffn"))
+    return llama_graph(h=model["hidden"], a=model["heads"], kv=model["kv_heads"], ffn=model["ffn"],
+                       layers=model["layers"], seq=model["seq_len"], vocab=model["vocab"])
+
+
+def engine_of(rec: dict) -> Engine:
+    return dataclasses.replace(Engine.load(rec["engine"]), **rec.get("engine_overrides", {}))
+
+
+def predict(rec: dict) -> Result:
+    """The record's step through estimate_config, and its measured step time."""
+    model, cl, cfg = rec["model"], rec["cluster"], rec["config"]
+    cluster = dataclasses.replace(Cluster.load(cl["profile"], num_nodes=cl["gpus"] // 8), dtype=cl["dtype"])
+    graph = graph_of(model)
+    config = ParallelConfig.from_dict(cfg)
+    overrides = None
+    if rec.get("every_other_layer_full"):  # torchtitan "selective layer" AC: every second block fully recomputed
+        overrides = {b.name: "full" for i, b in enumerate(graph.blocks) if i % 2 == 0}
+    est = estimate_config(graph, cluster, config, global_batch=rec["global_batch"], engine=engine_of(rec),
+                          layer_recompute=overrides)
+    measured = rec["measured"]
+    if "tflops_per_gpu_with_recompute" in measured:
+        flops = megatron_flops(B=rec["global_batch"], s=model["seq_len"], l=model["layers"], h=model["hidden"],
+                               V=model["vocab"])
+        step = flops / (measured["tflops_per_gpu_with_recompute"] * 1e12 * cl["gpus"])
+    elif "tokens_per_s_per_gpu" in measured:
+        step = rec["global_batch"] / cl["gpus"] * model["seq_len"] / measured["tokens_per_s_per_gpu"]
+    else:  # MFU: the same model FLOPs over the measured step
+        step = est.model_flops / (measured["mfu"] * cluster.peak_flops * cl["gpus"])
+    return Result(set=rec["set"], label=rec["id"], engine=rec["engine"], predicted_s=est.step_time_s,
+                  measured_s=step, fits=est.fits, estimate=est)
+
+
+def records() -> list[dict]:
+    return json.loads(RUNS.read_text())["records"]
