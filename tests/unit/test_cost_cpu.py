@@ -12,6 +12,7 @@ from test_cost_graph_helper import gpt_graph
 from autoplan.cluster.types import ClusterSpec, DeviceSpec, LinkSpec
 from autoplan.cost import estimate_config
 from autoplan.cost.compute import layer_compute
+from autoplan.cost.layer import estimate_layer
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.types import ParallelConfig, Recompute
 
@@ -25,9 +26,13 @@ LAYER = Layer(name="l", kind="l", role=LayerRole.OTHER, index=0, fwd_matmul_flop
               fwd_elementwise_flops=0.0, num_params=0, param_bytes=0, activation_bytes=0, num_nodes=10)
 
 
+def _cluster(device: DeviceSpec) -> ClusterSpec:
+    return ClusterSpec(name="cpu8", device=device, devices_per_node=8, num_nodes=1, intra_node=LINK,
+                       inter_node=LINK, dtype="fp32")
+
+
 def _times(device: DeviceSpec, config: ParallelConfig):
-    return layer_compute(LAYER, device, 1e11, config, Recompute.NONE, scale=1.0, seq_len=16, graph_tokens=16.0,
-                         dtype_bytes=4, scores_materialised=False)
+    return estimate_layer(LAYER, _cluster(device), config, Recompute.NONE, seq_len=16, graph_microbatch=1)
 
 
 def test_cpu_host_time_adds_to_compute() -> None:
@@ -39,8 +44,19 @@ def test_cpu_host_time_adds_to_compute() -> None:
 
 
 def test_tensor_parallel_adds_dtensor_host_time_per_op() -> None:
-    tp2 = _times(CPU, ParallelConfig(tp=2))
-    assert math.isclose(tp2.fwd_s, 1e8 / 2 / 1e11 + 10 * (1e-5 + 1e-4))
+    tp2 = layer_compute(LAYER, CPU, 1e11, ParallelConfig(tp=2), Recompute.NONE, scale=1.0, seq_len=16,
+                        graph_tokens=16.0, dtype_bytes=4, scores_materialised=False)
+    assert math.isclose(tp2.fwd_s, 1e8 / 2 / 1e11) and math.isclose(tp2.host_fwd_s, 10 * (1e-5 + 1e-4))
+    one = layer_compute(LAYER, CPU, 1e11, ParallelConfig(), Recompute.NONE, scale=1.0, seq_len=16,
+                        graph_tokens=16.0, dtype_bytes=4, scores_materialised=False)
+    assert math.isclose(one.host_fwd_s, 10 * 1e-5) and math.isclose(one.host_bwd_s, 2 * 10 * 1e-5)
+
+
+def test_data_parallel_adds_fsdp_hook_time_per_pass() -> None:
+    device = dataclasses.replace(CPU, dp_layer_overhead_s=1e-3)
+    dp2 = layer_compute(LAYER, device, 1e11, ParallelConfig(dp=2), Recompute.NONE, scale=1.0, seq_len=16,
+                        graph_tokens=16.0, dtype_bytes=4, scores_materialised=False)
+    assert math.isclose(dp2.host_fwd_s, 10 * 1e-5 + 1e-3) and math.isclose(dp2.host_bwd_s, 2 * (10 * 1e-5 + 1e-3))
 
 
 def test_idle_pipeline_ranks_free_their_share() -> None:
@@ -48,8 +64,7 @@ def test_idle_pipeline_ranks_free_their_share() -> None:
     # pipeline is the sum of the ranks' slots X_r (1F1B, m = 1); on 2 cores the all-busy share is 1/4
     # but the one running rank per pipeline has a whole core: max(sum X_r / 4, max X_r)
     graph = gpt_graph(h=256, a=4, layers=4, seq=64, vocab=512)
-    cluster = ClusterSpec(name="cpu8", device=CPU, devices_per_node=8, num_nodes=1, intra_node=LINK,
-                          inter_node=LINK, dtype="fp32")
+    cluster = _cluster(CPU)
     config = ParallelConfig(pp=4, dp=2, microbatch=8)  # zero 0: no per-microbatch data-parallel traffic
     shared = estimate_config(graph, cluster, config, global_batch=16)
     own = estimate_config(graph, dataclasses.replace(cluster, device=dataclasses.replace(CPU, cpu_cores=8)),
