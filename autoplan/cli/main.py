@@ -13,7 +13,8 @@ import sys
 from autoplan import __version__
 
 # subcommand modules, each owning its flags
-_COMMAND_MODULES = ("autoplan.cli.plan", "autoplan.cli.run", "autoplan.cli.profile", "autoplan.cli.serve")
+_COMMAND_MODULES = ("autoplan.cli.plan", "autoplan.cli.run", "autoplan.cli.profile", "autoplan.cli.serve",
+                    "autoplan.cli.validate", "autoplan.cli.calibrate", "autoplan.cli.timeline")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,6 +31,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--report", metavar="FILE", help="write the run report (JSON) here")
     p.add_argument("--data", metavar="FILE", help="train on this token file (.npy, .bin of uint16 as nanoGPT "
                                                   "writes, .pt) instead of synthetic tokens")
+    p.add_argument("--trace", action="store_true", help="record the last step's pipeline actions per rank in "
+                                                        "the report (for `autoplan timeline --report`)")
     p.add_argument("--global-batch", dest="global_batch", type=int, default=None)
     p.add_argument("--seq-len", dest="seq_len", type=int, default=None)
     p.add_argument("--save-every", dest="save_every", type=int, default=0, metavar="K",
@@ -164,7 +166,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                          global_batch=args.global_batch, seq_len=args.seq_len, report=args.report,
                          save_every=args.save_every, checkpoint_dir=args.checkpoint_dir, resume=args.resume,
                          timeout_s=args.timeout_s, launcher_args=_launcher_args(args), data=args.data,
-                         weights=args.weights)
+                         weights=args.weights, trace=args.trace)
     except RunFailed as exc:
         print(f"autoplan run: FAILED: {exc}", file=sys.stderr)
         return 1

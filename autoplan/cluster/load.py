@@ -3,7 +3,9 @@ render a ClusterSpec back into the same format (the profiler writes it).
 
 Format (schema_version 1): units are FLOP/s, bytes, bytes/s and seconds; every number may carry its
 source in a comment. Top level: schema_version, name, devices_per_node, device, intra_node, inter_node;
-optional description, dtype, notes, measured (raw profiler medians, free-form).
+optional description, dtype, notes, measured (raw profiler medians, free-form). A CPU profile's
+device.cpu_cores (the cores its ranks share) makes loading for another rank count rescale the per-rank
+figures (cpu_share.py).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from autoplan.cluster import cpu_share
 from autoplan.cluster.types import ClusterSpec, DeviceSpec, LinkSpec
 
 SCHEMA_VERSION = 1
@@ -200,6 +203,8 @@ def parse_profile(
     """Validate one profile mapping (as read from YAML) and build the ClusterSpec."""
     data = _section(data, "(top level)", path)
     _check_keys(data, _TOP_REQUIRED, _TOP_OPTIONAL, "", path)
+    if devices_per_node is not None:
+        data = cpu_share.rescale(data, devices_per_node, path)
     if data["schema_version"] != SCHEMA_VERSION:
         raise ValueError(
             f"{path}: schema_version {data['schema_version']!r} is not supported (this autoplan reads {SCHEMA_VERSION})"

@@ -29,6 +29,20 @@ class DeviceSpec:
     # host time to issue one framework op (Python + dispatcher + kernel launch); a layer whose ops take
     # longer to issue than to run leaves the device idle. 0 = never host-bound (added by the cost model)
     op_overhead_s: float = 0.0
+    # extra host time per op of a tensor-parallel layer (tp > 1): the executor's DTensor dispatch
+    # (sharding propagation, redistribution) in front of each op. 0 = none (added by the cost model)
+    tp_op_overhead_s: float = 0.0
+    # extra host time per layer per pass (forward; twice for the backward) when its parameters are wrapped
+    # for data parallelism (dp * ep * cp > 1): the executor's FSDP2 per-module hooks (unshard, reshard,
+    # gradient-reduction bookkeeping). 0 = none (added by the cost model)
+    dp_layer_overhead_s: float = 0.0
+    # CPU profiles: the cores the devices_per_node rank processes of a node share (0: each device computes
+    # on its own). Loading for another rank count rescales the per-rank figures (cluster/cpu_share.py);
+    # the cost model lets idle pipeline ranks free their share (cost/timeline.shared_cores_makespan)
+    cpu_cores: float = 0.0
+    # CPU profiles: the throughput a core delivers while more rank processes than cores share it, relative to
+    # one rank per core (context switches, cache refills); used only when rescaling (cluster/cpu_share.py)
+    cpu_oversubscribed_efficiency: float = 1.0
     # streaming multiprocessors (0: not a GPU; matmuls then follow the matmul_half_size_flops curve). GEMM
     # tiles and FlashAttention blocks are scheduled over them in waves (NVIDIA "Matrix Multiplication
     # Background User's Guide", section 3.2 wave quantization)

@@ -295,7 +295,11 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
     fully recomputed block its forward's again, and the activation-checkpoint wrapper around it
     engine.checkpoint_forward_ops / checkpoint_backward_ops more; kernels are asynchronous, so a phase
-    takes max(device, host) (layer.py combines them)."""
+    takes max(device, host) (layer.py combines them; on a CPU profile, device.cpu_cores > 0, the rank's
+    own thread issues and then runs each op, so they add). Under tp > 1 each op also pays
+    device.tp_op_overhead_s (DTensor sharding propagation in front of every op) and, when the layer is
+    data parallel (dp * ep * cp > 1), each pass device.dp_layer_overhead_s (FSDP2's pre/post hooks per
+    module), twice in the backward; both are measured on CPU profiles and 0 on the shipped GPU ones."""
     engine = engine or Engine()
     t = config.tp
     tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
@@ -339,10 +343,14 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     ops_r = ops_f if layer.role is LayerRole.BLOCK and recompute is Recompute.FULL else 0.0
     if ops_r and not engine.cuda_graphs:  # the checkpoint wrapper's own ops around the block
         ops_f, ops_b = ops_f + engine.checkpoint_forward_ops, ops_b + engine.checkpoint_backward_ops
-    op = device.op_overhead_s
+    # the executor's extra host work, measured on a CPU profile (0 elsewhere): DTensor dispatch per op of a
+    # tensor-parallel layer, FSDP2's per-module hooks per pass of a data-parallel layer (backward: twice)
+    op = device.op_overhead_s + (device.tp_op_overhead_s if t > 1 else 0.0)
+    hook = device.dp_layer_overhead_s if config.num_replicas * config.cp > 1 else 0.0
     return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=dw_s, recompute_s=rec, attention_fwd_s=attention_fwd,
-                        gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op, host_bwd_s=ops_b * op,
-                        host_rec_s=ops_r * op, wgrad_column_s=wgrad_column)
+                        gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op + hook,
+                        host_bwd_s=ops_b * op + 2.0 * hook, host_rec_s=ops_r * op + (hook if ops_r else 0.0),
+                        wgrad_column_s=wgrad_column)
 
 
 def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float, split: int) -> tuple[float, float]:

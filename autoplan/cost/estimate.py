@@ -27,6 +27,7 @@ from autoplan.cost.layer import estimate_layer
 from autoplan.cost.memory import rank_memory, state_bytes_per_param
 from autoplan.cost.pipeline import pipeline_time_s
 from autoplan.cost.stages import check_config, check_stages
+from autoplan.cost.timeline import shared_cores_pipeline_time_s
 from autoplan.cost.types import LayerCost
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
@@ -124,6 +125,11 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
             rank_dp_times(rank, env.view, config, layout, engine, env.groups)
     pipe = pipeline_time_s(config.schedule, p, v, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
                            [r.weight for r in ranks])
+    if cluster.device.cpu_cores and p > 1:  # CPU ranks sharing cores: a waiting pipeline rank frees its share
+        pipe = shared_cores_pipeline_time_s(config, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
+                                            [r.weight for r in ranks], cores=cluster.device.cpu_cores,
+                                            ranks=cluster.devices_per_node,
+                                            oversubscribed=cluster.device.cpu_oversubscribed_efficiency)
     offsets = [sum(r.bwd for r in ranks[:k]) for k in range(p)]
     dp_tail = max(0.0, max(r.dp_tail - off for r, off in zip(ranks, offsets)))
     param_gather = max(r.param_gather for r in ranks)

@@ -71,7 +71,7 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
     cp_fwd, cp_total = _cp_comm_s(shape, cluster, config, recompute, tokens * config.cp, dbytes,
                                   times.attention_fwd_s)
     ep_fwd, ep_total = _ep_comm_s(shape, cluster, config, recompute, tokens, dbytes)
-    fwd_s, bwd_s, rec_s = _with_host(times, recompute, layer)
+    fwd_s, bwd_s, rec_s = _with_host(times, recompute, layer, serial=bool(cluster.device.cpu_cores))
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=times.bwd_weight_s, recompute_s=rec_s,
         tp_comm_s=tp_total, cp_comm_s=cp_total, ep_comm_s=ep_total,
@@ -89,15 +89,18 @@ def _nonmatmul_ratio(cluster: ClusterSpec) -> float:
     return cluster.peak_flops / table["fp32"] if table.get("fp32") else 16.0
 
 
-def _with_host(times: ComputeTimes, recompute: Recompute, layer: Layer) -> tuple[float, float, float]:
+def _with_host(times: ComputeTimes, recompute: Recompute, layer: Layer,
+               serial: bool = False) -> tuple[float, float, float]:
     """Forward, backward, recompute times: kernels are issued asynchronously, so each phase takes
     max(device time, host time) (H. He, "Making Deep Learning Go Brrrr From First Principles", 2022:
     an overhead-bound model runs at the host's pace), a fully recomputed forward issuing its forward's
-    ops again. Small layers at small microbatches are bound by it."""
+    ops again. Small layers at small microbatches are bound by it. `serial` (a CPU rank: the thread that
+    issues an op also computes it, torch's CPU kernels run synchronously): host and device times add."""
+    combine = (lambda a, b: a + b) if serial else max
     rec = times.recompute_s
     if recompute is Recompute.FULL and layer.role is LayerRole.BLOCK and rec:
-        rec = max(rec, times.host_rec_s)
-    return max(times.fwd_s, times.host_fwd_s), max(times.bwd_s, times.host_bwd_s), rec
+        rec = combine(rec, times.host_rec_s)
+    return combine(times.fwd_s, times.host_fwd_s), combine(times.bwd_s, times.host_bwd_s), rec
 
 
 def _host_total(times: ComputeTimes, recompute: Recompute, layer: Layer) -> float:

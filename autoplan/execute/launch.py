@@ -203,14 +203,15 @@ def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: Any, *, s
             checkpoint_dir: str | None = None, resume: str | None = None, timeout_s: float = 300.0,
             launcher_args: Sequence[str] = (), env: Mapping[str, str] | None = None,
             out: TextIO | None = None, data: str | Path | None = None,
-            weights: str | Path | None = None) -> dict[str, Any]:
+            weights: str | Path | None = None, trace: bool = False) -> dict[str, Any]:
     """Train `model` under a plan, config or plan JSON path on torchrun-launched ranks; returns the run report
     (also written to `report` when given). Raises RunFailed if a rank fails.
 
     `model`: a preset name, "path/to/file.py:factory", a Hugging Face from_pretrained directory or an nn.Module
     (its weights are trained; one built on the meta device is initialised from `seed`). `weights`: a
     safetensors file or directory to start from (each rank reads its own shards). `data`: a token file (.npy,
-    .bin, .pt) to train on instead of synthetic tokens. Every check of execute.preflight runs here first: a
+    .bin, .pt) to train on instead of synthetic tokens. `trace`: record the last step's pipeline actions per
+    rank in the report's "timeline" (execute.trace). Every check of execute.preflight runs here first: a
     mistake is one ValueError line, before any rank starts."""
     from autoplan.execute.preflight import check_run_flags, preflight
 
@@ -237,6 +238,7 @@ def execute(plan_or_config: Plan | ParallelConfig | str | Path, model: Any, *, s
                 "--save-every", str(save_every)]
         args += ["--checkpoint-dir", checkpoint_dir] if checkpoint_dir else []
         args += ["--resume", resume] if resume else []
+        args += ["--trace"] if trace else []
         args += ["--data", str(Path(data).resolve())] if data else []
         if not spec.is_preset:
             spec = _ship_model(spec, model, run_dir, args)

@@ -52,6 +52,7 @@ from autoplan.execute.pipeline import (
 )
 from autoplan.execute.recompute import original_fqn
 from autoplan.execute.source import ModelSpec
+from autoplan.execute.trace import ActionTrace
 from autoplan.models import Transformer, TransformerConfig, preset, preset_config
 from autoplan.plan.layout import ZeroLayout, divisibility_errors, zero_layout
 from autoplan.plan.types import ParallelConfig, Plan
@@ -71,6 +72,7 @@ class TrainOptions:
     checkpoint_dir: str | None = None
     resume: str | None = None  # a checkpoint directory to start from
     data: str | None = None  # a token file (see load_tokens); None: synthetic uniform tokens
+    trace: bool = False  # record the pipeline's action timestamps (execute.trace) into TrainResult.actions
 
     def __post_init__(self) -> None:
         for name in ("steps", "global_batch", "seq_len"):
@@ -91,6 +93,7 @@ class TrainResult:
     start_step: int = 0
     parts: list[nn.Module] = field(default_factory=list, repr=False)
     grad_norms: list[float] = field(default_factory=list)  # global gradient norm per step (execute.gradnorm)
+    actions: list[list[Any]] = field(default_factory=list)  # the last step's, with options.trace
 
 
 def build_model(model_name: str, seed: int) -> Transformer:
@@ -139,6 +142,7 @@ class _Job:
     device: torch.device
     layout: ZeroLayout  # the ZeRO layout of plan.layout.zero_layout
     vocab_size: int = 0
+    trace: ActionTrace | None = None
 
 
 def check_divides(model_config: TransformerConfig, config: ParallelConfig, options: TrainOptions) -> None:
@@ -182,7 +186,10 @@ def _setup(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: Tr
     if config.pp > 1:
         schedule = build_schedule(parts, indices, config, pp_group=meshes.pp.get_group(), device=device,
                                   num_microbatches=num_microbatches, loss_fn=cross_entropy)
-    return _Job(config, meshes, parts, indices, optimizers, schedule, device, layout, vocab_size)
+    trace = ActionTrace() if options.trace and schedule is not None else None
+    if trace is not None:
+        trace.instrument(schedule)
+    return _Job(config, meshes, parts, indices, optimizers, schedule, device, layout, vocab_size, trace)
 
 
 def _forward_backward(job: _Job, inputs: torch.Tensor, targets: torch.Tensor, num_microbatches: int) -> float | None:
@@ -261,7 +268,8 @@ def train(model_name: str | ModelSpec, plan: Plan | ParallelConfig, options: Tra
         if options.save_every and (step + 1) % options.save_every == 0:
             _save(job, options, step + 1)
     return TrainResult(losses=losses, step_times_s=times, peak_mem_bytes=peak_memory_bytes(device),
-                       start_step=start, parts=job.parts, grad_norms=norms)
+                       start_step=start, parts=job.parts, grad_norms=norms,
+                       actions=job.trace.last_step() if job.trace else [])
 
 
 def _save(job: _Job, options: TrainOptions, step: int) -> None:

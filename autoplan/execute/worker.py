@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", default=None)
     p.add_argument("--data", default=None, help="token file (.npy, .bin uint16, .pt); default synthetic")
     p.add_argument("--report", default=None)
+    p.add_argument("--trace", action="store_true", help="record the pipeline's action timestamps in the report")
     p.add_argument("--run-dir", dest="run_dir", required=True, help="where ranks write error files")
     p.add_argument("--timeout-s", dest="timeout_s", type=float, default=300.0,
                    help="process-group timeout: a rank stuck in a collective fails after this")
@@ -84,14 +85,22 @@ def _run(args: argparse.Namespace, rank: int) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout_s))
     options = TrainOptions(steps=args.steps, global_batch=global_batch, seq_len=seq_len, seed=args.seed,
                            lr=args.lr, weight_decay=args.weight_decay, save_every=args.save_every,
-                           checkpoint_dir=args.checkpoint_dir, resume=args.resume, data=args.data)
+                           checkpoint_dir=args.checkpoint_dir, resume=args.resume, data=args.data,
+                           trace=args.trace)
     model = torch.load(args.model_spec, weights_only=False) if args.model_spec else args.model
     result = train(model, plan, options, device=device, on_step=_kill_hook(rank))
     peaks: list[int] = [0] * dist.get_world_size()
     dist.all_gather_object(peaks, result.peak_mem_bytes)
+    traces: list[list] = [[] for _ in range(dist.get_world_size())]
+    if args.trace:
+        dist.all_gather_object(traces, result.actions)
     if rank == 0:
         out = report(result, plan=plan, model_name=args.model, options=options, peak_mem_per_rank=peaks,
                      world_size=dist.get_world_size())
+        if args.trace:
+            from autoplan.execute.trace import timeline_report
+
+            out["timeline"] = timeline_report(traces)
         text = json.dumps(out, indent=2) + "\n"
         if args.report:
             with open(args.report, "w") as f:

@@ -61,6 +61,14 @@ def _tiny(name: str, family: str, **moe: int) -> TransformerConfig:
     )
 
 
+def _small(name: str) -> TransformerConfig:
+    # For prediction checks on CPU (`autoplan validate`): enough matmul work per step (about 20 MFLOP
+    # per token) that compute, not only per-op overhead, shows in the step time, and every sharded size
+    # (8 heads, ffn 1024, vocab 512, sequence) divides by 2, 4 and 8.
+    return TransformerConfig(name=name, family="gpt", num_layers=4, hidden_size=256, num_heads=8,
+                             ffn_hidden_size=1024, vocab_size=512, max_seq_len=128)
+
+
 _CONFIGS = (
     _gpt3("gpt3-1.7b", 24, 2304, 24),
     _gpt3("gpt3-18b", 40, 6144, 48),
@@ -110,6 +118,7 @@ _CONFIGS = (
         norm_eps=1e-6,
     ),
     _tiny("tiny-gpt", "gpt"),
+    _small("small-gpt"),
     _tiny("tiny-llama", "llama"),
     _tiny(
         "tiny-moe",

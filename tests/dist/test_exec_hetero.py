@@ -23,7 +23,8 @@ def two_group_cluster():
     dev = slow.device
     fast = dataclasses.replace(slow, name="local-cpu-3x", device=dataclasses.replace(
         dev, name="cpu-rank-3x", peak_flops=tuple((d, 3 * f) for d, f in dev.peak_flops),
-        mem_bw_bytes_per_s=3 * dev.mem_bw_bytes_per_s, op_overhead_s=dev.op_overhead_s / 3))
+        mem_bw_bytes_per_s=3 * dev.mem_bw_bytes_per_s, op_overhead_s=dev.op_overhead_s / 3,
+        tp_op_overhead_s=dev.tp_op_overhead_s / 3, dp_layer_overhead_s=dev.dp_layer_overhead_s / 3))
     return Cluster.combine([(slow, 1), (fast, 1)])
 
 
