@@ -168,7 +168,7 @@ def test_unwritable_output_fails_before_measuring(tmp_path: Path, monkeypatch) -
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
 
 
-def test_bad_flags_are_one_clear_error(monkeypatch) -> None:
+def test_bad_flags_are_one_clear_error(monkeypatch, tmp_path: Path) -> None:
     real_probe = probe.probe_local
 
     def must_not_measure(opts):
@@ -183,9 +183,11 @@ def test_bad_flags_are_one_clear_error(monkeypatch) -> None:
         (("--nnodes", "2"), "needs one launcher per node: run under torchrun"),
         (("--backend", "nccl"), "needs CUDA GPUs"),
     ):
-        args = _profile_args("--out", "/tmp/never-written.yaml", *argv)
+        out = tmp_path / "never-written.yaml"
+        args = _profile_args("--out", str(out), *argv)
         with pytest.raises(ValueError, match=message):
             args.func(args)
+        assert not out.exists()
 
 
 def test_atomic_write_leaves_nothing_on_failure(tmp_path: Path) -> None:
