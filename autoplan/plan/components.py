@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from autoplan.plan.io import plan_from_dict, plan_to_dict
+from autoplan.plan.io import json_object, plan_from_dict, plan_to_dict
 from autoplan.plan.types import Estimate, ParallelConfig, Plan
 
 SCHEMA_VERSION = 1
@@ -183,13 +183,7 @@ def component_plan_to_json(plan: ComponentPlan) -> str:
 
 
 def component_plan_from_json(text: str) -> ComponentPlan:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"component plan is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError("component plan JSON must be an object")
-    return component_plan_from_dict(data)
+    return component_plan_from_dict(json_object(text, "component plan"))
 
 
 def save_component_plan(plan: ComponentPlan, path: str | Path) -> None:

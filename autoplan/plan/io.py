@@ -80,14 +80,19 @@ def plan_to_json(plan: Plan) -> str:
     return json.dumps(plan_to_dict(plan), indent=2) + "\n"
 
 
-def plan_from_json(text: str) -> Plan:
+def json_object(text: str, what: str = "plan") -> dict:
+    """`text` parsed as a JSON object, or a one-line ValueError naming `what` was expected."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"plan is not valid JSON: {exc}") from None
+        raise ValueError(f"{what} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError("plan JSON must be an object")
-    return plan_from_dict(data)
+        raise ValueError(f"{what} JSON must be an object")
+    return data
+
+
+def plan_from_json(text: str) -> Plan:
+    return plan_from_dict(json_object(text, "plan"))
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
