@@ -10,6 +10,8 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import numpy as np
+
 from autoplan.cluster.types import ClusterSpec, LinkSpec
 from autoplan.cost.types import GroupPlacement
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig
@@ -30,16 +32,15 @@ def group_placement(config: ParallelConfig, axes: tuple[str, ...], devices_per_n
 
 @lru_cache(maxsize=4096)
 def _placement(sizes: tuple[int, ...], wanted: tuple[bool, ...], devices_per_node: int) -> GroupPlacement:
-    ranks = [0]
+    ranks = np.zeros(1, dtype=np.int64)
     stride = 1
     for size, use in zip(reversed(sizes), reversed(wanted)):  # innermost (tp) first
         if use and size > 1:
-            ranks = [r + k * stride for k in range(size) for r in ranks]
+            ranks = (ranks[None, :] + stride * np.arange(size, dtype=np.int64)[:, None]).ravel()
         stride *= size
-    counts: dict[int, int] = {}
-    for rank in ranks:
-        counts[rank // devices_per_node] = counts.get(rank // devices_per_node, 0) + 1
-    return GroupPlacement(size=len(ranks), num_nodes=len(counts), per_node=min(counts.values()))
+    counts = np.bincount(ranks // devices_per_node)
+    counts = counts[counts > 0]
+    return GroupPlacement(size=int(ranks.size), num_nodes=int(counts.size), per_node=int(counts.min()))
 
 
 def _ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tuple[float, float]:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
+import random
 
 from test_cost_graph_helper import a100_cluster, gpt_graph
 
@@ -15,7 +18,7 @@ from autoplan.cost import (
     group_placement,
     p2p_s,
 )
-from autoplan.plan.types import ParallelConfig
+from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig
 
 
 def test_ring_all_reduce_inside_a_node() -> None:
@@ -83,3 +86,26 @@ def test_groups_of_one_cost_nothing() -> None:
     c = a100_cluster(1)
     one = GroupPlacement(size=1, num_nodes=1, per_node=1)
     assert all_reduce_s(1e9, one, c) == all_gather_s(1e9, one, c) == all_to_all_s(1e9, one, c) == 0.0
+
+
+def test_group_placement_equals_brute_force_over_every_rank() -> None:
+    # rank 0's group found by walking every rank's mesh coordinates (MESH_AXIS_ORDER, tp innermost):
+    # the members are the ranks whose coordinates differ from 0 only on the group's axes
+    rng = random.Random(0)
+    names = [a.value for a in MESH_AXIS_ORDER]
+    for _ in range(200):
+        sizes = {n: rng.choice((1, 2, 3, 4, 8)) for n in names}
+        axes = tuple(n for n in ("dp", "ep", "cp", "tp", "pp") if rng.random() < 0.5) or ("dp",)
+        per_node = rng.choice((1, 2, 4, 6, 8, 16))
+        config = ParallelConfig(**{n: sizes[n] for n in ("tp", "pp", "dp", "cp")})
+        config = dataclasses.replace(config, ep=sizes["ep"]) if sizes["ep"] > 1 else config
+        dims = [getattr(config, n) for n in names]
+        members = []
+        for rank, coords in enumerate(itertools.product(*[range(d) for d in dims])):
+            if all(c == 0 for n, c in zip(names, coords) if n not in axes):
+                members.append(rank)
+        nodes: dict[int, int] = {}
+        for r in members:
+            nodes[r // per_node] = nodes.get(r // per_node, 0) + 1
+        got = group_placement(config, axes, per_node)
+        assert (got.size, got.num_nodes, got.per_node) == (len(members), len(nodes), min(nodes.values()))
