@@ -62,7 +62,16 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     - cp_saves_gathered_kv: with cp > 1 the attention keeps the all-gathered K and V of the keys it
       attends, on the busiest rank (cp rank 0, whose late chunk attends every key) the whole sequence:
       b s tokens of K and V instead of the local b s / cp (held without recompute; re-gathered inside
-      the recomputed core under selective, and re-materialised under full: the working extra)."""
+      the recomputed core under selective, and re-materialised under full: the working extra).;
+    - rmsnorm_saves_normalized: each of a Llama-style block's two RMSNorms (keyed, like BlockShape.dropout, on
+      the SwiGLU MLP) keeps x * rstd for its weight's gradient beside its input (+2 x 2h per token, over tp
+      with SP, where the norms run on the sequence shard): torch's nn.RMSNorm and Hugging Face's
+      LlamaRMSNorm run eagerly as x * rsqrt(mean(x^2) + eps) * weight, whose last multiply saves its left
+      operand (measured on autoplan's executor: tests/unit/test_cost_saved_tensors.py);
+    - swiglu_saves_activation: an eager SwiGLU, w2(silu(w1 x) * w3 x), keeps silu(w1 x) (the multiply's
+      operand) beside w1 x (silu's input) and w3 x: 8f per token instead of Korthikanti-style 6f, per
+      routed expert copy likewise (a fused swiglu, Megatron-Core's bias_swiglu_impl, keeps only its
+      input and recomputes silu in backward)."""
     engine = engine or Engine()
     t, cp = config.tp, config.cp
     tokens = b * s / cp
@@ -70,14 +79,17 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     # bytes per token at 16 bits, as the paper counts them; without dropout (BlockShape.dropout) no masks:
     # the two norm inputs (2h + 2h), the two dropout masks (h + h), the QKV and MLP inputs (2h + 2h)
     sharded = 6.0 * shape.h if shape.dropout else 4.0 * shape.h
+    if engine.rmsnorm_saves_normalized and not shape.dropout:  # x * rstd of both RMSNorms
+        sharded += 4.0 * shape.h
+    mlp_factor = 2.0 * shape.n_mlp + (2.0 if shape.n_mlp == 3 and engine.swiglu_saves_activation else 0.0)
     linear_inputs = 4.0 * shape.h
     linear_split = 1 if engine.sp_saves_gathered_input else h_split
-    hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f * shape.dense_mlps
+    hidden = mlp_factor * shape.f * shape.dense_mlps
     kv_heads = shape.a if engine.attention_saves_repeated_kv else shape.g
     kv = 4.0 * shape.h * kv_heads / shape.a  # K and V
     split = 2.0 * shape.h + 2.0 * shape.h + hidden
     if shape.num_experts and shape.top_k:
-        e_hidden = (4.0 if shape.n_mlp == 2 else 6.0) * shape.f_e
+        e_hidden = mlp_factor * shape.f_e
         # folded (etp, eep): a rank holds its tokens / tp routed copies gathered etp-fold, each with
         # 1/etp of the expert hidden: (tokens / t) top_k (2 h etp + e_hidden)
         copies = 2.0 * shape.h * (config.expert_tp if config.folded else 1)
