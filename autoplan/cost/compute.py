@@ -17,6 +17,7 @@ from autoplan.cost.kernels import (
     memory_time_s,
     unfused_attention_s,
 )
+from autoplan.cost.passes import extra_pass_bytes
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import expert_tp_split
@@ -79,6 +80,14 @@ class BlockShape:
         megatron/arguments.py; Korthikanti et al. 2022 count the masks); a Llama-style (SwiGLU) block
         trains without (Touvron et al. 2023; Dubey et al. 2024; Hugging Face LlamaConfig attention_dropout
         0.0), as this model's other Llama-isms (RMSNorm, RoPE) are keyed on the SwiGLU MLP."""
+        return self.n_mlp == 2
+
+    @property
+    def biased(self) -> bool:
+        """Whether the block's linears carry biases: a GPT-style (GELU) block as Megatron's GPT builds it
+        (megatron/mpu/layers.py ColumnParallelLinear / RowParallelLinear bias=True; autoplan's gpt family,
+        models/transformer.py); a Llama-style (SwiGLU) block has none (Touvron et al. 2023), keyed on the
+        MLP as `dropout` is."""
         return self.n_mlp == 2
 
     @property
@@ -289,7 +298,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     AccumulateGrad / Megatron's --gradient-accumulation-fusion into main_grad). Non-block layers run
     their matmul total as one matmul. Attention: _attention_s. Elementwise: block_elementwise_bytes at
     streaming bandwidth, backward 1.5 x forward (it reads the output gradient and the saved input and
-    writes one gradient: 3 accesses for the forward's 2). Recompute: full re-runs the block's forward;
+    writes one gradient: 3 accesses for the forward's 2), plus the engine's own extra passes
+    (passes.extra_pass_bytes: separate bias adds, bias-gradient reductions, attention layout copies),
+    each in the phase it runs in. Recompute: full re-runs the block's forward;
     selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5).
 
     Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
@@ -328,9 +339,10 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
                                       dtype_bytes=dtype_bytes, scores_materialised=scores_materialised,
                                       nonmatmul_ratio=nonmatmul_ratio)
     elem_s = memory_time_s(device, elementwise_bytes)
-    fwd = mm_s + attn_fwd + elem_s
-    bwd = dx_s + dw_s + attn_bwd + 1.5 * elem_s
-    attention_fwd = attn_fwd + memory_time_s(device, score_bytes)
+    extra = extra_pass_bytes(shape, tokens, t, config.sp, dtype_bytes, engine)
+    fwd = mm_s + attn_fwd + elem_s + memory_time_s(device, extra.fwd)
+    bwd = dx_s + dw_s + attn_bwd + 1.5 * elem_s + memory_time_s(device, extra.bwd)
+    attention_fwd = attn_fwd + memory_time_s(device, score_bytes + extra.attention_fwd)
     if layer.role is not LayerRole.BLOCK or recompute is Recompute.NONE:
         rec = 0.0
     elif recompute is Recompute.FULL:

@@ -49,6 +49,12 @@ class Engine:
     gather_copy_out: bool = True  # all-gathered weights are copied out of the collective's buffer on the compute stream
     tp_splits_unfolded_experts: bool = False  # unfolded routed experts split over the dense tp group (plan.layout.expert_tp_split)
     selective_recompute: str = "attention"  # what 'selective' recomputes: Megatron's attention core, or torchtitan's per-op policy
+    # memory-bound passes the engine's code adds around the GEMMs and the attention core (cost/passes.py)
+    separate_qkv_bias_add: bool = False  # the QKV projection adds its bias in a kernel of its own (matmul, then + bias)
+    separate_fc2_bias_add: bool = False  # the MLP output projection adds its bias in a kernel of its own
+    bias_grad_reduction: bool = True  # each biased linear's bias gradient is its own reduction over the tokens
+    attention_layout_copies: bool = False  # Megatron's [s, b, np, hn] core: context permute copy, QKV split's cat in backward
+    attention_grad_scale: bool = False  # baddbmm(alpha) backward scales the dQ and dK products in passes of their own
     # what autograd keeps for the backward (cost/memory.block_activation_bytes)
     sp_saves_gathered_input: bool = True  # with SP, the column-parallel linears keep their all-gathered input (DTensor), not the local shard
     attention_saves_repeated_kv: bool = True  # grouped-query K / V are repeated to the query heads before the attention kernel, which keeps them

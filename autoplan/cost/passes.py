@@ -1,0 +1,65 @@
+"""Memory-bound passes some engines' code adds around a block's GEMMs and attention core, beyond the
+fused elementwise kernels of compute.block_elementwise_bytes: separate bias adds, bias-gradient
+reductions, and the copies of Megatron's [s, b, np, hn] attention layout. Each is switched on by its own
+Engine field (sources in engines/*.yaml) and priced as bytes read + written at streaming bandwidth
+(kernels.memory_time_s), like the other elementwise kernels.
+
+Symbols, per microbatch on one device: T tokens (after the cp split), t = tp, q = h + 2 h g / a (the QKV
+output width, BlockShape.qkv_out_width), f the dense MLP width, m the dense MLPs per block
+(BlockShape.dense_mlps), d bytes per element, and T_h = T / t with sequence parallelism, else T (the
+tokens of the row-parallel outputs and the residual stream on this device). Only a block with biases
+(BlockShape.biased) has bias terms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from autoplan.plan.engine import Engine
+
+if TYPE_CHECKING:
+    from autoplan.cost.compute import BlockShape
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PassBytes:
+    """Bytes of the engine's extra passes in one block, one microbatch: forward, backward, and the part of
+    the forward inside the attention core (what selective recompute re-runs)."""
+
+    fwd: float = 0.0
+    bwd: float = 0.0
+    attention_fwd: float = 0.0
+
+
+def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool, dtype_bytes: int, engine: Engine) -> PassBytes:
+    """The bytes each switched-on mechanism moves (compute.BlockShape `shape`):
+
+    - separate_qkv_bias_add (forward): `output + bias` read and written once, 2 T q / t d;
+    - separate_fc2_bias_add (forward): the MLP output projection's `output_ + bias`, 2 T_h h m d;
+    - bias_grad_reduction (backward): each biased linear's bias gradient reads its output gradient once
+      (the [n] result is negligible): QKV T q / t, fc1 T f m / t, the attention and MLP output
+      projections T_h h (1 + m), times d;
+    - attention_layout_copies: forward, the context's permute(2, 0, 1, 3).contiguous(), 2 T h / t d (inside
+      the attention core); backward, torch.split's backward (at::cat of the Q, K, V gradients into the
+      QKV output's layout), 2 T q / t d;
+    - attention_grad_scale (backward): baddbmm(alpha = 1 / norm_factor)'s derivative multiplies the dQ and
+      dK products by alpha in passes of their own, 2 x 2 T h / t d."""
+    if shape is None:
+        return PassBytes()
+    d, q_t, h_t = float(dtype_bytes), shape.qkv_out_width / tp, shape.h / tp
+    t_h = tokens / tp if sp else tokens
+    m = float(shape.dense_mlps)
+    fwd = bwd = attention = 0.0
+    if shape.biased and engine.separate_qkv_bias_add:
+        fwd += 2.0 * tokens * q_t * d
+    if shape.biased and engine.separate_fc2_bias_add:
+        fwd += 2.0 * t_h * shape.h * m * d
+    if shape.biased and engine.bias_grad_reduction:
+        bwd += (tokens * (q_t + m * shape.f / tp) + t_h * shape.h * (1.0 + m)) * d
+    if engine.attention_layout_copies:
+        attention += 2.0 * tokens * h_t * d
+        bwd += 2.0 * tokens * q_t * d
+    if engine.attention_grad_scale:
+        bwd += 4.0 * tokens * h_t * d
+    return PassBytes(fwd=fwd + attention, bwd=bwd, attention_fwd=attention)
