@@ -44,10 +44,11 @@ def _batch(plan: Plan) -> str:
     return f"global batch {plan.global_batch} x {plan.seq_len} tokens"
 
 
-def _throughput(plan: Plan) -> str:
+def throughput_text(plan: Plan, *, units: bool = True) -> str:
+    """The plan's predicted throughput: samples/s for a model without tokens, else tokens/s."""
     if plan.sample_shape:
-        return f"{plan.samples_per_s:,.1f} samples/s"
-    return f"{plan.estimate.tokens_per_s:,.0f} tokens/s"
+        return f"{plan.samples_per_s:,.1f}" + (" samples/s" if units else "")
+    return f"{plan.estimate.tokens_per_s:,.0f}" + (" tokens/s" if units else "")
 
 
 def explain(plan: Plan) -> str:
@@ -57,7 +58,7 @@ def explain(plan: Plan) -> str:
     lines = [
         f"{head} for {plan.model_name} on {plan.num_devices} devices ({plan.cluster_name}), {_batch(plan)}:",
         f"  {describe_config(plan)}",
-        (f"  step {seconds(e.step_time_s)} s, {_throughput(plan)}, MFU {e.mfu:.1%}, "
+        (f"  step {seconds(e.step_time_s)} s, {throughput_text(plan)}, MFU {e.mfu:.1%}, "
          f"{e.peak_mem_bytes / _GIB:.3g} of {e.mem_capacity_bytes / _GIB:.0f} GiB per device"
          + ("" if e.fits else " (DOES NOT FIT)")),
         "  time: " + ", ".join(f"{_CAUSES.get(k, k)} {v:.3g} s" for k, v in e.breakdown.items() if v > 0),

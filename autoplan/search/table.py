@@ -11,7 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from autoplan.plan.explain import listing, seconds
+from autoplan.plan.explain import listing, seconds, throughput_text
 from autoplan.plan.types import Plan
 from autoplan.search.ties import MEM_TOLERANCE, TIME_TOLERANCE
 
@@ -48,12 +48,6 @@ def causes_label(plan: Plan, n: int = 3) -> str:
     return " ".join(f"{_SHORT[k]} {v / total:.0%}" for k, v in top)
 
 
-def throughput(plan: Plan) -> str:
-    if plan.sample_shape:
-        return f"{plan.samples_per_s:,.1f}"
-    return f"{plan.estimate.tokens_per_s:,.0f}"
-
-
 def schedule_label(plan: Plan) -> str:
     c = plan.config
     if c.pp == 1:
@@ -86,7 +80,7 @@ def plans_table(plans: Sequence[Plan]) -> Any:
         ep = f"{c.ep} ({c.expert_ep}x{c.expert_tp})" if c.folded else str(c.ep)
         table.add_row(rank, str(c.tp), str(c.pp), str(c.dp), str(c.cp), ep, "on" if c.sp else "off",
                       str(c.zero), str(c.microbatch), schedule_label(p), recompute_label(p), seconds(e.step_time_s),
-                      throughput(p), f"{e.mfu:.1%}", f"{e.peak_mem_bytes / GIB:.1f}", causes_label(p))
+                      throughput_text(p, units=False), f"{e.mfu:.1%}", f"{e.peak_mem_bytes / GIB:.1f}", causes_label(p))
     return table
 
 
