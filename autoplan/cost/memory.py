@@ -62,7 +62,7 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     - cp_saves_gathered_kv: with cp > 1 the attention keeps the all-gathered K and V of the keys it
       attends, on the busiest rank (cp rank 0, whose late chunk attends every key) the whole sequence:
       b s tokens of K and V instead of the local b s / cp (held without recompute; re-gathered inside
-      the recomputed core under selective, and re-materialised under full: the working extra).;
+      the recomputed core under selective, and re-materialised under full: the working extra);
     - rmsnorm_saves_normalized: each of a Llama-style block's two RMSNorms (keyed, like BlockShape.dropout, on
       the SwiGLU MLP) keeps x * rstd for its weight's gradient beside its input (+2 x 2h per token, over tp
       with SP, where the norms run on the sequence shard): torch's nn.RMSNorm and Hugging Face's
