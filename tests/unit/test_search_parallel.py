@@ -51,3 +51,44 @@ def test_quick_estimates_in_pieces_equal_the_whole(monkeypatch: pytest.MonkeyPat
     split = search_module._quick_estimates(graph, cluster, space, 64, cost)
     for f in dataclasses.fields(whole):
         assert np.array_equal(getattr(split, f.name), getattr(whole, f.name)), f.name
+
+
+def test_the_search_hides_the_old_heap_from_the_collector_and_gives_it_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the search runs, what was alive before it is frozen (gc.freeze); after it, nothing stays frozen and
+    the collector is as it was, also when the search raises; a caller's own freeze is left alone."""
+    import gc
+
+    seen = []
+    real = search_module.enumerate_space
+    monkeypatch.setattr(search_module, "enumerate_space", lambda *a: seen.append(gc.get_freeze_count()) or real(*a))
+    graph, cluster = gpt_graph(h=256, a=4, layers=4, seq=64, vocab=512), a100_cluster(1)
+    search_module.search(graph, cluster, SearchOptions(global_batch=8, top_k=1))
+    assert seen[0] > 1000 and gc.get_freeze_count() == 0 and gc.isenabled()
+    with pytest.raises(ValueError):
+        search_module.search(graph, cluster, SearchOptions(global_batch=8, top_k=1, tp=3))
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        search_module.search(graph, cluster, SearchOptions(global_batch=8, top_k=1))
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_a_capture_pauses_the_collector_and_restores_it() -> None:
+    import gc
+
+    from autoplan.graph.cache import gc_paused
+
+    states = []
+    with gc_paused():
+        states.append(gc.isenabled())
+    assert states == [False] and gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()  # a caller's choice is kept
+    finally:
+        gc.enable()
