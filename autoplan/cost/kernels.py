@@ -8,6 +8,7 @@ dependence comes from how the kernels are scheduled, each with its source below.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Any
 
 from autoplan.cluster.types import DeviceSpec
@@ -78,6 +79,7 @@ def matmul_efficiency(device: DeviceSpec, flops: float) -> float:
     return device.matmul_efficiency * flops / (flops + device.matmul_half_size_flops)
 
 
+@lru_cache(maxsize=1 << 16)  # a pure function of hashable numbers; the search asks for the same shapes again and again
 def gemm_pass_s(device: DeviceSpec, peak_flops: float, m: float, k: float, n: float, count: float,
                 dtype_bytes: int, *, out_bytes: float | None = None, batch: float = 1.0) -> float:
     """Roofline time of `count` GEMMs [m x k] @ [k x n] (each a batch of `batch`): max(FLOPs / (peak *
