@@ -116,9 +116,12 @@ def _named_graph(spec: str, seq_len: int) -> LayerGraph:
         from autoplan.models.user import model_name_of
 
         return _captured(load_model(spec), seq_len, model_name_of(spec))
-    # the preset is built for this capture alone: traced in place, not copied
-    return cache.cached(cache.preset_key(spec, seq_len=seq_len),
-                        lambda: _capture(load_model(spec), seq_len, spec, copy_model=False), model_name=spec)
+    def make() -> LayerGraph:
+        model = load_model(spec)
+        _named_fingerprint_of(spec, model)  # built anyway: its fingerprint is stored too (what a plan carries)
+        return _capture(model, seq_len, spec, copy_model=False)  # built for this capture alone: traced in place
+
+    return cache.cached(cache.preset_key(spec, seq_len=seq_len), make, model_name=spec)
 
 
 def _capture(model: Any, seq_len: int, name: str | None, copy_model: bool = True) -> LayerGraph:
@@ -138,15 +141,22 @@ def _captured(model: Any, seq_len: int, name: str | None) -> LayerGraph:
 @lru_cache(maxsize=16)
 def _named_fingerprint(spec: str) -> str:
     """A preset's fingerprint is cached on disk beside its graph (no torch import when warm)."""
+    if not _is_preset_name(spec):
+        from autoplan.graph.fingerprint import model_fingerprint  # imports torch
+
+        return model_fingerprint(load_model(spec))
+    return _named_fingerprint_of(spec, None)
+
+
+def _named_fingerprint_of(spec: str, model: Any) -> str:
+    """A preset's fingerprint from the disk cache, else computed from `model` (built here when None) and stored."""
     from autoplan.graph import cache
 
     def compute() -> str:
         from autoplan.graph.fingerprint import model_fingerprint  # imports torch
 
-        return model_fingerprint(load_model(spec))
+        return model_fingerprint(load_model(spec) if model is None else model)
 
-    if not _is_preset_name(spec):
-        return compute()
     return cache.cached_text(cache.key_of({"preset fingerprint": spec}), compute)
 
 
