@@ -25,14 +25,13 @@ def add_component_flags(parser: argparse.ArgumentParser) -> None:
 
 def has_components(model: str) -> bool:
     """A preset of autoplan.models.multimodal, or a file.py:factory / Hugging Face directory whose module tree
-    holds two families of repeated blocks (graph.components.find_roots); decoder presets never do."""
-    from autoplan.models import PRESETS
-    from autoplan.models.multimodal import MULTIMODAL_PRESETS
-    from autoplan.models.user import is_file_spec, is_hf_dir
+    holds two families of repeated blocks (graph.components.find_roots); decoder presets never do. Told
+    without importing torch for a preset (autoplan.models.specs), which a warm plan then never imports."""
+    from autoplan.models.specs import MULTIMODAL_NAMES, is_file_spec, is_hf_dir
 
-    if model in MULTIMODAL_PRESETS:
+    if model in MULTIMODAL_NAMES:
         return True
-    if model in PRESETS or not (is_file_spec(model) or is_hf_dir(model)):
+    if not (is_file_spec(model) or is_hf_dir(model)):  # a preset's name
         return False
     from autoplan.graph.components import find_roots
     from autoplan.search.api import load_model

@@ -2,34 +2,36 @@
 
 with torch.device("meta"):
     model = autoplan.models.preset("llama3-405b")   # shapes only, no memory
+
+The names below are loaded on first use (PEP 562 module __getattr__): `autoplan.models.specs`, which tells a
+preset name from a model file or directory without torch, can be imported without importing torch, so a
+warm plan of a preset never imports it.
 """
 
 from __future__ import annotations
 
-from autoplan.models.config import TransformerConfig
-from autoplan.models.moe import MLP, Experts, MoE
-from autoplan.models.presets import PRESETS, preset, preset_config
-from autoplan.models.transformer import (
-    Attention,
-    AttentionCore,
-    Block,
-    TokenEmbedding,
-    Transformer,
-    loss_fn,
-)
+import importlib
+from typing import Any
 
-__all__ = [
-    "MLP",
-    "PRESETS",
-    "Attention",
-    "AttentionCore",
-    "Block",
-    "Experts",
-    "MoE",
-    "TokenEmbedding",
-    "Transformer",
-    "TransformerConfig",
-    "loss_fn",
-    "preset",
-    "preset_config",
-]
+_HOME = {
+    "TransformerConfig": "config",
+    "MLP": "moe", "Experts": "moe", "MoE": "moe",
+    "PRESETS": "presets", "preset": "presets", "preset_config": "presets",
+    "Attention": "transformer", "AttentionCore": "transformer", "Block": "transformer",
+    "TokenEmbedding": "transformer", "Transformer": "transformer", "loss_fn": "transformer",
+}
+
+__all__ = ["MLP", "PRESETS", "Attention", "AttentionCore", "Block", "Experts", "MoE", "TokenEmbedding",
+           "Transformer", "TransformerConfig", "loss_fn", "preset", "preset_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'autoplan.models' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"autoplan.models.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_HOME})

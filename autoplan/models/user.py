@@ -13,13 +13,7 @@ from typing import Any
 
 from torch import nn
 
-
-def is_file_spec(spec: str) -> bool:
-    return ":" in spec and spec.rsplit(":", 1)[0].endswith(".py")
-
-
-def is_hf_dir(spec: str) -> bool:
-    return Path(spec).is_dir() and (Path(spec) / "config.json").is_file()
+from autoplan.models.specs import is_file_spec, is_hf_dir
 
 
 def import_factory(spec: str) -> Callable[[], Any]:

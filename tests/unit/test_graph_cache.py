@@ -62,6 +62,19 @@ def test_a_warm_preset_plan_does_not_import_torch(tmp_cache: Path) -> None:
     assert out.stdout.split() == [str(len(GRAPH.layers)), "tiny-gpt", "False"]
 
 
+def test_a_warm_preset_plan_from_the_command_line_does_not_import_torch(tmp_path: Path) -> None:
+    """The `autoplan plan` path (the components check, the fingerprint a plan carries) needs no torch once the
+    preset's graph and fingerprint are cached: the first run stores both, the second must not import it."""
+    code = ("import sys; from autoplan.cli.main import main; rc = main(['plan', '--model', 'tiny-gpt', '--cluster', "
+            "'local-cpu', '--nodes', '1', '--global-batch', '8', '--seq-len', '32', '--quiet']); "
+            "print('TORCH', rc, 'torch' in sys.modules)")
+    env = {**__import__("os").environ, "AUTOPLAN_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+            for _ in range(2)]
+    cold, warm = (r.stdout.split("TORCH")[-1].split() for r in runs)
+    assert cold == ["0", "True"] and warm == ["0", "False"]
+
+
 def _writer(directory: str, n: int) -> None:
     for _ in range(n):
         cache.store("k", GRAPH, Path(directory))

@@ -1,0 +1,19 @@
+"""autoplan.models.specs tells specs apart without torch, and agrees with the modules that build the models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from autoplan.models.multimodal import MULTIMODAL_PRESETS
+from autoplan.models.specs import MULTIMODAL_NAMES, is_file_spec, is_hf_dir
+
+
+def test_the_multimodal_names_are_the_multimodal_presets() -> None:
+    assert sorted(MULTIMODAL_NAMES) == sorted(MULTIMODAL_PRESETS)
+
+
+def test_file_specs_and_model_directories(tmp_path: Path) -> None:
+    assert is_file_spec("my/model.py:build") and not is_file_spec("gpt3-175b") and not is_file_spec("a.txt:b")
+    assert not is_hf_dir(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    assert is_hf_dir(str(tmp_path))
