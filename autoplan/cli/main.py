@@ -7,6 +7,7 @@ Each subcommand lives in its own module with `register(subparsers)`, which adds 
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import sys
 
@@ -52,5 +53,17 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def entry() -> None:
+    """The console script: main(), then an exit that does not walk the heap. A process that imported torch and
+    torch._dynamo (a cold plan) spent 0.6-0.9 s here in the interpreter's shutdown collections and teardown of
+    objects it is about to drop anyway; gc.freeze() moves them out of the collector's sight first ("ignore
+    them in all future collections", Python docs, gc.freeze), which leaves about 0.2 s. Output is flushed and
+    atexit handlers run as usual."""
+    code = main()
+    sys.stdout.flush()
+    gc.freeze()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()
