@@ -304,7 +304,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     writes one gradient: 3 accesses for the forward's 2), plus the engine's own extra passes
     (passes.extra_pass_bytes: separate bias adds, bias-gradient reductions, attention layout copies),
     each in the phase it runs in. Recompute: full re-runs the block's forward;
-    selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5).
+    selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5), or
+    under torchtitan's op policy (engine.selective_recompute 'op') the matmuls it does not save
+    (_op_selective_recompute_s) and every memory-bound op of the forward, the engine's passes included.
 
     Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
     fully recomputed block its forward's again, and the activation-checkpoint wrapper around it

@@ -32,7 +32,10 @@ if TYPE_CHECKING:
 # weight gradient (grad * output (2d, d), then its sum over the tokens (d, 0)), type_as's cast (d, 4),
 # * rstd's input gradient (4, 4) and rstd gradient (grad * x (8, 4), sum (4, 0)), mean's expanded
 # gradient / N (0, 4), pow's pow_backward grad * (2 * x.pow(1)) (x.pow(1) (4, 4), * 2 (4, 4), * grad
-# (8, 4)), the sum of x's two gradients (8, 4), x.float()'s cast (4, d).
+# (8, 4)), the sum of x's two gradients (8, 4), x.float()'s cast (4, d). A check, not a fit: torchtitan
+# PR #181 (2024-03, "Add FusedRMSNorm (Triton kernel, +15% eager)") measured +15 % MFU on a 7B FSDP2 run
+# going from this norm to its fused kernel; these counts put that change at +15 % on an 8-GPU H100 node
+# (+10 % on A100) for the llama_7b.toml of the time (batch 8, sequence 2048, op-level checkpointing).
 
 
 def fp32_rmsnorm_bytes(d: float) -> tuple[float, float]:
