@@ -129,3 +129,20 @@ def test_shipped_engines_carry_their_optimizer_and_norm() -> None:
         assert engine.fused_adam and not engine.reduce_scatter_copy_in
     with pytest.raises(ValueError, match="engine field 'rmsnorm' must be one of"):
         dataclasses.replace(TITAN, rmsnorm="apex")
+
+
+def test_fp32_eager_rmsnorm_keeps_the_fp32_copy_of_both_norm_inputs() -> None:
+    """Without recompute, `x.float()` is what pow and * rstd save: two norms x H x (4 - 2) bytes more per
+    token than a norm that keeps the bf16 input; fp32 training has no copy to keep."""
+    from autoplan.cost.compute import block_shape
+    from autoplan.cost.memory import block_activation_bytes
+
+    shape = block_shape(llama_block(), float(S))
+
+    def held(kind: str, d: int) -> float:
+        engine = dataclasses.replace(TITAN, rmsnorm=kind)
+        return block_activation_bytes(shape, 1, S, ParallelConfig(), Recompute.NONE, d, False,
+                                      selective="op", engine=engine)[0]
+
+    assert held("eager_fp32", 2) - held("fused", 2) == 2 * H * (4 - 2) * S
+    assert held("eager_fp32", 4) == held("fused", 4)
