@@ -83,7 +83,8 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     sharded = 6.0 * shape.h if shape.dropout else 4.0 * shape.h
     if engine.rmsnorm_saves_normalized and not shape.dropout:  # x * rstd of both RMSNorms
         sharded += 4.0 * shape.h
-    if engine.rmsnorm == "eager_fp32" and not engine.fused_elementwise and not shape.dropout and dtype_bytes < 4:
+    fp32_norm = engine.rmsnorm == "eager_fp32" and not engine.fused_elementwise
+    if fp32_norm and not shape.dropout and dtype_bytes < 4:
         # each norm keeps x.float() (pow's and * rstd's operand) in place of x: 4 - d more bytes per element
         sharded += 2.0 * shape.h * (4.0 - dtype_bytes) * 2.0 / dtype_bytes
     mlp_factor = 2.0 * shape.n_mlp + (2.0 if shape.n_mlp == 3 and engine.swiglu_saves_activation else 0.0)

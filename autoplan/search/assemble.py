@@ -147,8 +147,8 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     reduce = _bucketed_reduce(rs_or_ar, dense + expert, layers, sizes, lay, wire, cluster, engine)
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
     # dataparallel.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
-    copy_in = np.where(lay["reduce_scatter"][:, None] > 0, memory_time_s(
-        cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0) * engine.reduce_scatter_copy_in
+    copy_in = np.where(lay["reduce_scatter"][:, None] > 0 if engine.reduce_scatter_copy_in else False,
+                       memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
     z3_fwd = np.where(gmb >= 2, _exposed(fwd, gather, 0 * gather, layers, engine.param_gather_overlap, True, frac)
@@ -156,7 +156,8 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
     dp_b = _exposed(bwd, pre_b, post_b, layers, engine.param_gather_overlap, engine.dp_comm_overlap, frac)
-    dp_b = np.where((gmb >= 1) | every, dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
+    dp_b = np.where((gmb >= 1) | every,
+                    dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, frac)
     x = f["time"] + hops + dp_f + dp_b

@@ -146,3 +146,29 @@ def test_fp32_eager_rmsnorm_keeps_the_fp32_copy_of_both_norm_inputs() -> None:
 
     assert held("eager_fp32", 2) - held("fused", 2) == 2 * H * (4 - 2) * S
     assert held("eager_fp32", 4) == held("fused", 4)
+
+
+def test_the_quick_estimate_prices_the_copy_in_and_the_optimizer_as_the_exact_model_does() -> None:
+    """search/assemble.py mirrors both: switching reduce_scatter_copy_in and fused_adam off moves the
+    quick step time by what it moves the exact one, on every zero-3 and zero-1 candidate without a pipeline."""
+    import numpy as np
+
+    from autoplan import cost
+    from autoplan.search.space import SearchOptions, enumerate_space
+    from autoplan.search.surrogate import quick_estimate
+
+    graph, cluster = _graph(), dataclasses.replace(CLUSTER, dtype="bf16")
+    space = enumerate_space(graph, cluster, SearchOptions(global_batch=8))
+    rows = [i for zero in (1, 3) for i in [j for j in range(len(space)) if space.config(j).pp == 1
+                                           and space.config(j).zero == zero and space.config(j).dp == 8][:3]]
+    assert {space.config(i).zero for i in rows} == {1, 3}
+    deltas = []
+    for engine in (TITAN, dataclasses.replace(TITAN, reduce_scatter_copy_in=False, fused_adam=True)):
+        eng = cost.with_engine(engine)
+        quick = quick_estimate(graph, cluster, space, 8, eng).step_time_s[rows]
+        exact = np.array([eng.estimate_config(graph, cluster, space.config(i), global_batch=8).step_time_s
+                          for i in rows])
+        deltas.append((quick, exact))
+    (q_on, e_on), (q_off, e_off) = deltas
+    assert np.all(e_on - e_off > 0)
+    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
