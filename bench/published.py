@@ -67,8 +67,12 @@ def predict(rec: dict) -> Result:
     graph = graph_of(model)
     config = ParallelConfig.from_dict(cfg)
     overrides = None
-    if rec.get("every_other_layer_full"):  # torchtitan "selective layer" AC: every second block fully recomputed
-        overrides = {b.name: "full" for i, b in enumerate(graph.blocks) if i % 2 == 0}
+    if rec.get("every_other_layer_full"):
+        # torchtitan "selective layer" AC (torchtitan/parallelisms/parallelize_llama.py checkpoint_wrapper,
+        # April 2024: `checkpoint_wrapper._count % every_x_layer == 0` wraps the 2nd, 4th, ... block, i.e.
+        # layers.1, layers.3, ..., in a full checkpoint and returns the others unwrapped): every second
+        # block fully recomputed, the others recompute nothing
+        overrides = {b.name: ("full" if i % 2 == 1 else "none") for i, b in enumerate(graph.blocks)}
     est = estimate_config(graph, cluster, config, global_batch=rec["global_batch"], engine=engine_of(rec),
                           layer_recompute=overrides)
     measured = rec["measured"]

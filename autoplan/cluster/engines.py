@@ -16,11 +16,18 @@ from typing import Any
 import yaml
 
 from autoplan.cluster.load import _check_keys, _suggest, named_yaml, shipped_dirs, shipped_yaml
-from autoplan.plan.engine import ATTENTION_KINDS, GRAD_REDUCTIONS, SELECTIVE_KINDS, ZERO3_KINDS, Engine
+from autoplan.plan.engine import (
+    ATTENTION_KINDS,
+    GRAD_REDUCTIONS,
+    RMSNORM_KINDS,
+    SELECTIVE_KINDS,
+    ZERO3_KINDS,
+    Engine,
+)
 
 SCHEMA_VERSION = 1
 _CHOICES = {"attention": ATTENTION_KINDS, "zero3": ZERO3_KINDS, "zero3_grad_reduction": GRAD_REDUCTIONS,
-            "selective_recompute": SELECTIVE_KINDS}
+            "selective_recompute": SELECTIVE_KINDS, "rmsnorm": RMSNORM_KINDS}
 _FIELDS = {f.name: f.type for f in dataclasses.fields(Engine) if f.name != "source"}
 
 

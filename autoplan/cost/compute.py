@@ -166,7 +166,8 @@ def expert_divisor(config: ParallelConfig, engine: Engine | None = None) -> int:
 
 def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, config: ParallelConfig,
                             dtype_bytes: int, scores_materialised: bool, *,
-                            fused: bool = True, expert_div: int | None = None) -> tuple[float, float]:
+                            fused: bool = True, expert_div: int | None = None,
+                            rmsnorm: str = "eager") -> tuple[float, float]:
     """Forward memory traffic of a block's elementwise kernels, (total, attention-score part), bytes,
     counting each kernel's reads + writes (the fused kernels of Megatron-LM; Korthikanti et al. 2022
     section 4.1 lists the same tensors):
@@ -184,10 +185,12 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
       are in their rooflines).
     - a SwiGLU (Llama-style) block's rotary embedding of Q and K: read and write h + h g / a per token.
     `fused` False (eager kernels): a SwiGLU block's norms (RMSNorm), its SwiGLU and its RoPE move
-    EAGER_RMSNORM_TRAFFIC, EAGER_SWIGLU_TRAFFIC and EAGER_ROPE_TRAFFIC times their fused traffic."""
+    EAGER_RMSNORM_TRAFFIC, EAGER_SWIGLU_TRAFFIC and EAGER_ROPE_TRAFFIC times their fused traffic; the
+    norms only when `rmsnorm` (Engine.rmsnorm) is 'eager': a 'fused' RMSNorm moves the fused traffic, and
+    an 'eager_fp32' one the fused traffic here plus its own passes (passes.extra_pass_bytes)."""
     t = config.tp
     h_split = t if config.sp else 1
-    rms = 1.0 if fused or shape.n_mlp != 3 else EAGER_RMSNORM_TRAFFIC
+    rms = 1.0 if fused or shape.n_mlp != 3 or rmsnorm != "eager" else EAGER_RMSNORM_TRAFFIC
     act = 1.0 if fused or shape.n_mlp != 3 else EAGER_SWIGLU_TRAFFIC
     norms, residual = 4.0 * shape.h * rms, 6.0 * shape.h
     elements = (norms + residual) / h_split + act * shape.dense_mlps * shape.n_mlp * shape.f / t
@@ -301,7 +304,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     writes one gradient: 3 accesses for the forward's 2), plus the engine's own extra passes
     (passes.extra_pass_bytes: separate bias adds, bias-gradient reductions, attention layout copies),
     each in the phase it runs in. Recompute: full re-runs the block's forward;
-    selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5).
+    selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5), or
+    under torchtitan's op policy (engine.selective_recompute 'op') the matmuls it does not save
+    (_op_selective_recompute_s) and every memory-bound op of the forward, the engine's passes included.
 
     Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
     fully recomputed block its forward's again, and the activation-checkpoint wrapper around it
@@ -334,7 +339,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         wgrad_column = (dws[0], dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
         elementwise_bytes, score_bytes = block_elementwise_bytes(
             shape, tokens, seq_len, config, dtype_bytes, scores_materialised, fused=engine.fused_elementwise,
-            expert_div=expert_div)
+            expert_div=expert_div, rmsnorm=engine.rmsnorm)
     attn_fwd, attn_bwd = _attention_s(layer, shape, device, peak_flops, config, scale=scale, seq_len=seq_len,
                                       dtype_bytes=dtype_bytes, scores_materialised=scores_materialised,
                                       nonmatmul_ratio=nonmatmul_ratio)
@@ -347,8 +352,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         rec = 0.0
     elif recompute is Recompute.FULL:
         rec = fwd
-    elif engine.selective_recompute == "op" and shape is not None:
-        rec = _op_selective_recompute_s(device, peak_flops, groups, shape, dtype_bytes) + elem_s
+    elif engine.selective_recompute == "op" and shape is not None:  # every memory-bound op runs again
+        rec = (_op_selective_recompute_s(device, peak_flops, groups, shape, dtype_bytes) + elem_s
+               + memory_time_s(device, extra.fwd))
     else:
         rec = attention_fwd
     ops_f, ops_b = host_ops(layer, engine)

@@ -171,6 +171,7 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     # stream (torch.distributed.fsdp _fsdp_param_group.wait_for_unshard -> foreach_all_gather_copy_out):
     # a read and a write of the unsharded weights per gather
     copy_out = memory_time_s(cluster.device, 2.0 * w * (sum(dense) + sum(expert))) if engine.gather_copy_out else 0.0
+    copy_in = reduce_copy_in_s(sum(dense) + sum(expert), cluster, layout, engine)
     dp_f = dp_b = 0.0
     if layout.weight_gathers_per_microbatch >= 2:
         dp_f = _overlap(fwd, gathers(order), none, engine.param_gather_overlap, True, cluster) + copy_out
@@ -179,10 +180,12 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
         post = reduces(back) if layout.reduce_every_microbatch else none
         dp_b = _overlap(bwd[::-1], pre, post, engine.param_gather_overlap, engine.dp_comm_overlap, cluster)
         dp_b += copy_out if layout.weight_gathers_per_microbatch >= 1 else 0.0
+        dp_b += copy_in if layout.reduce_every_microbatch else 0.0
     rank.dp += dp_f + dp_b
     rank.fwd += dp_f
     rank.bwd += dp_b
     if not layout.reduce_every_microbatch:
+        rank.dp_tail += copy_in
         if engine.dp_comm_overlap:
             rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster)
         else:
@@ -195,6 +198,20 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
         else:
             rank.param_gather += (comm.all_gather_s(sum(dense) * w, groups.dense, cluster)
                                   + comm.all_gather_s(sum(expert) * w, groups.expert, cluster))
+
+
+def reduce_copy_in_s(numel: float, cluster: ClusterSpec, layout: ZeroLayout, engine: Engine) -> float:
+    """FSDP2's reduce-scatter copy-in (engine.reduce_scatter_copy_in): before each reduce-scatter,
+    foreach_reduce_scatter_copy_in reads the unsharded gradients (training dtype) and writes them into
+    the reduce-scatter input in the reduce dtype (grad_wire_bytes), and the compute stream waits for that
+    copy before it goes on (torch 2.13 _fsdp_collectives.foreach_reduce runs it on the current stream;
+    the spring-2024 version on the reduce-scatter stream, then `current_stream.wait_event(copy_in_event)`),
+    so it adds to the backward as the all-gather copy-out does: a memory-bound pass over `numel`
+    gradients. Zero when the layout all-reduces or the engine reduces its buffers in place."""
+    if not engine.reduce_scatter_copy_in or layout.grad_reduction != "reduce_scatter":
+        return 0.0
+    per_element = dtype_bytes(cluster.dtype) + grad_wire_bytes(cluster.dtype, engine)
+    return memory_time_s(cluster.device, per_element * numel)
 
 
 def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:

@@ -46,7 +46,14 @@ from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Recompute
 #   read and write the fp32 gradient, 8 bytes).
 # Megatron-LM fp16: 28 + 12 + 6 + 6 + 8 = 60 bytes; Megatron bf16 with fp32 main grads: 46; FSDP2 (fp32
 # sharded parameters cast to bf16 at the all-gather) and fp32 training: 40.
+# The 28 bytes are one fused kernel (Engine.fused_adam: apex / DeepSpeed FusedAdam). torch.optim.AdamW
+# without fused=True runs each pass as its own kernel over the fp32 tensors (torch/optim/adamw.py
+# _single_tensor_adamw, and _multi_tensor_adamw with foreach: the same passes as foreach kernels), (read,
+# write) bytes per parameter: weight decay param.mul_ (4, 4), exp_avg.lerp_(grad) (8, 4), exp_avg_sq.mul_
+# (4, 4), .addcmul_(grad, grad) (8, 4), exp_avg_sq.sqrt() (4, 4), / bias_correction2_sqrt (4, 4), + eps
+# (4, 4), param.addcdiv_(exp_avg, denom) (12, 4): 80 bytes.
 ADAM_BYTES_PER_PARAM = 28
+UNFUSED_ADAM_BYTES_PER_PARAM = 80
 CLIP_BYTES_PER_PARAM = 12
 # Bytes per gradient element on the wire, by training dtype, when the engine reduces bf16 / fp8 gradients
 # in fp32 (Engine.grad_reduce_fp32): Megatron-LM turns on --accumulate-allreduce-grads-in-fp32 whenever
@@ -59,8 +66,10 @@ GRAD_REDUCE_BYTES = {"fp8": 4, "bf16": 4, "fp16": 2, "tf32": 4, "fp32": 4}
 def adam_bytes_per_param(dtype: str, engine: Engine) -> float:
     """Memory traffic of the optimizer step per local parameter (the passes above ADAM_BYTES_PER_PARAM).
     The master copy is separate when the engine keeps 16-bit model weights next to fp32 ones (Megatron,
-    DeepSpeed: engine.gather_copy_out False, i.e. not FSDP2's cast-at-gather)."""
-    total = float(ADAM_BYTES_PER_PARAM + CLIP_BYTES_PER_PARAM)
+    DeepSpeed: engine.gather_copy_out False, i.e. not FSDP2's cast-at-gather). Adam itself is
+    ADAM_BYTES_PER_PARAM fused (engine.fused_adam), else UNFUSED_ADAM_BYTES_PER_PARAM."""
+    adam = ADAM_BYTES_PER_PARAM if engine.fused_adam else UNFUSED_ADAM_BYTES_PER_PARAM
+    total = float(adam + CLIP_BYTES_PER_PARAM)
     if dtype in ("fp32", "tf32") or engine.gather_copy_out:
         return total
     _, g, _ = state_bytes_per_param(dtype, engine)
@@ -221,5 +230,5 @@ def _flops(graph: LayerGraph, config: ParallelConfig, global_batch: int,
     return model, model + hardware
 
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "GRAD_REDUCE_BYTES", "DpGroups", "adam_bytes_per_param", "estimate_config",
-           "grad_wire_bytes"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "GRAD_REDUCE_BYTES", "UNFUSED_ADAM_BYTES_PER_PARAM", "DpGroups",
+           "adam_bytes_per_param", "estimate_config", "grad_wire_bytes"]

@@ -67,7 +67,9 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
       the SwiGLU MLP) keeps x * rstd for its weight's gradient beside its input (+2 x 2h per token, over tp
       with SP, where the norms run on the sequence shard): torch's nn.RMSNorm and Hugging Face's
       LlamaRMSNorm run eagerly as x * rsqrt(mean(x^2) + eps) * weight, whose last multiply saves its left
-      operand (measured on autoplan's executor: tests/unit/test_cost_saved_tensors.py);
+      operand (measured on autoplan's executor: tests/unit/test_cost_saved_tensors.py); rmsnorm 'eager_fp32'
+      (torchtitan's RMSNorm, `_norm(x.float())`): the norms' inputs are kept as the fp32 copy, 2 x 4h
+      bytes per token instead of 2 x 2h under 16-bit training;
     - swiglu_saves_activation: an eager SwiGLU, w2(silu(w1 x) * w3 x), keeps silu(w1 x) (the multiply's
       operand) beside w1 x (silu's input) and w3 x: 8f per token instead of Korthikanti-style 6f, per
       routed expert copy likewise (a fused swiglu, Megatron-Core's bias_swiglu_impl, keeps only its
@@ -81,6 +83,10 @@ def block_activation_bytes(shape: BlockShape, b: float, s: int, config: Parallel
     sharded = 6.0 * shape.h if shape.dropout else 4.0 * shape.h
     if engine.rmsnorm_saves_normalized and not shape.dropout:  # x * rstd of both RMSNorms
         sharded += 4.0 * shape.h
+    fp32_norm = engine.rmsnorm == "eager_fp32" and not engine.fused_elementwise
+    if fp32_norm and not shape.dropout and dtype_bytes < 4:
+        # each norm keeps x.float() (pow's and * rstd's operand) in place of x: 4 - d more bytes per element
+        sharded += 2.0 * shape.h * (4.0 - dtype_bytes) * 2.0 / dtype_bytes
     mlp_factor = 2.0 * shape.n_mlp + (2.0 if shape.n_mlp == 3 and engine.swiglu_saves_activation else 0.0)
     linear_inputs = 4.0 * shape.h
     linear_split = 1 if engine.sp_saves_gathered_input else h_split

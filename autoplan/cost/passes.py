@@ -1,6 +1,7 @@
 """Memory-bound passes some engines' code adds around a block's GEMMs and attention core, beyond the
 fused elementwise kernels of compute.block_elementwise_bytes: separate bias adds, bias-gradient
-reductions, and the copies of Megatron's [s, b, np, hn] attention layout. Each is switched on by its own
+reductions, the copies of Megatron's [s, b, np, hn] attention layout, the repeated K / V of grouped-query
+attention and an RMSNorm run eagerly in fp32. Each is switched on by its own
 Engine field (sources in engines/*.yaml) and priced as bytes read + written at streaming bandwidth
 (kernels.memory_time_s), like the other elementwise kernels.
 
@@ -20,6 +21,29 @@ from autoplan.plan.engine import Engine
 
 if TYPE_CHECKING:
     from autoplan.cost.compute import BlockShape
+
+
+# torchtitan's RMSNorm (torchtitan/models/norms.py RMSNorm, the norm_type "rmsnorm" default of
+# torchtitan/config_manager.py): `self._norm(x.float()).type_as(x) * self.weight` with `_norm(x) =
+# x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)`, each an eager kernel. (read, write) bytes per
+# element, x in d bytes and the intermediates in fp32 (4); the casts are no-ops when d is 4:
+# forward: x.float() (d, 4), pow (4, 4), mean (4, 0), * rstd (4, 4), type_as (4, d), * weight (d, d);
+# backward (autograd's formulas, tools/autograd/derivatives.yaml): * weight's input gradient (d, d) and
+# weight gradient (grad * output (2d, d), then its sum over the tokens (d, 0)), type_as's cast (d, 4),
+# * rstd's input gradient (4, 4) and rstd gradient (grad * x (8, 4), sum (4, 0)), mean's expanded
+# gradient / N (0, 4), pow's pow_backward grad * (2 * x.pow(1)) (x.pow(1) (4, 4), * 2 (4, 4), * grad
+# (8, 4)), the sum of x's two gradients (8, 4), x.float()'s cast (4, d). A check, not a fit: torchtitan
+# PR #181 (2024-03, "Add FusedRMSNorm (Triton kernel, +15% eager)") measured +15 % MFU on a 7B FSDP2 run
+# going from this norm to its fused kernel; these counts put that change at +15 % on an 8-GPU H100 node
+# (+10 % on A100) for the llama_7b.toml of the time (batch 8, sequence 2048, op-level checkpointing).
+
+
+def fp32_rmsnorm_bytes(d: float) -> tuple[float, float]:
+    """(forward, backward) bytes per element of one eager fp32 RMSNorm (the count above)."""
+    casts = 0.0 if d == 4 else 1.0
+    fwd = casts * (d + 4) + 8 + 4 + 8 + casts * (4 + d) + 2 * d
+    bwd = 2 * d + 3 * d + d + casts * (d + 4) + 8 + 12 + 4 + 4 + 8 + 8 + 12 + 12 + casts * (4 + d)
+    return fwd, bwd
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -44,7 +68,14 @@ def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool,
       the attention core); backward, torch.split's backward (at::cat of the Q, K, V gradients into the
       QKV output's layout), 2 T q / t d;
     - attention_grad_scale (backward): baddbmm(alpha = 1 / norm_factor)'s derivative multiplies the dQ and
-      dK products by alpha in passes of their own, 2 x 2 T h / t d."""
+      dK products by alpha in passes of their own, 2 x 2 T h / t d;
+    - attention_saves_repeated_kv with grouped-query attention (g < a kv heads): the forward copies K and
+      V to the query heads (repeat_interleave; torchtitan's repeat_kv, expand + reshape), reading
+      h g / a and writing h elements per token each, 2 T (h + h g / a) / t d; the backward sums the
+      copies' gradients back (expand's backward), the same bytes;
+    - rmsnorm 'eager_fp32' (a Llama-style block, without fused_elementwise): both norms' passes
+      (fp32_rmsnorm_bytes) beyond the fused kernel that block_elementwise_bytes already counts (read and
+      write forward, 2 d; read x and the gradient, write one, 3 d), on 2 T_h h elements."""
     if shape is None:
         return PassBytes()
     d, q_t, h_t = float(dtype_bytes), shape.qkv_out_width / tp, shape.h / tp
@@ -62,4 +93,11 @@ def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool,
         bwd += 2.0 * tokens * q_t * d
     if engine.attention_grad_scale:
         bwd += 4.0 * tokens * h_t * d
+    if engine.attention_saves_repeated_kv and shape.g < shape.a:
+        repeat = 2.0 * tokens * (shape.h + shape.h * shape.g / shape.a) / tp * d
+        fwd, bwd = fwd + repeat, bwd + repeat
+    if shape.n_mlp == 3 and not engine.fused_elementwise and engine.rmsnorm == "eager_fp32":
+        norm_f, norm_b = fp32_rmsnorm_bytes(d)
+        fwd += 2.0 * t_h * shape.h * (norm_f - 2.0 * d)
+        bwd += 2.0 * t_h * shape.h * (norm_b - 3.0 * d)
     return PassBytes(fwd=fwd + attention, bwd=bwd, attention_fwd=attention)

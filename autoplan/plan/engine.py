@@ -19,6 +19,7 @@ ATTENTION_KINDS = ("flash", "unfused")
 SELECTIVE_KINDS = ("attention", "op")
 ZERO3_KINDS = ("fsdp2", "deepspeed")
 GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
+RMSNORM_KINDS = ("eager", "eager_fp32", "fused")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +56,9 @@ class Engine:
     bias_grad_reduction: bool = True  # each biased linear's bias gradient is its own reduction over the tokens
     attention_layout_copies: bool = False  # Megatron's [s, b, np, hn] core: context permute copy, QKV split's cat in backward
     attention_grad_scale: bool = False  # baddbmm(alpha) backward scales the dQ and dK products in passes of their own
+    rmsnorm: str = "eager"  # a Llama-style block's RMSNorms without fused_elementwise: 'eager' (composite ops in the training dtype), 'eager_fp32' (upcast to fp32 first), 'fused' (one kernel each way)
+    reduce_scatter_copy_in: bool = True  # FSDP2 copies the unsharded gradients into the reduce-scatter input (reduce dtype) before the compute stream goes on
+    fused_adam: bool = False  # one fused multi-tensor Adam kernel (apex / DeepSpeed FusedAdam) instead of torch.optim.AdamW's per-op passes
     # what autograd keeps for the backward (cost/memory.block_activation_bytes)
     sp_saves_gathered_input: bool = True  # with SP, the column-parallel linears keep their all-gathered input (DTensor), not the local shard
     attention_saves_repeated_kv: bool = True  # grouped-query K / V are repeated to the query heads before the attention kernel, which keeps them
@@ -76,7 +80,8 @@ class Engine:
 
     def __post_init__(self) -> None:
         for name, allowed in (("attention", ATTENTION_KINDS), ("zero3", ZERO3_KINDS),
-                              ("zero3_grad_reduction", GRAD_REDUCTIONS), ("selective_recompute", SELECTIVE_KINDS)):
+                              ("zero3_grad_reduction", GRAD_REDUCTIONS), ("selective_recompute", SELECTIVE_KINDS),
+                              ("rmsnorm", RMSNORM_KINDS)):
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"engine field {name!r} must be one of {', '.join(map(repr, allowed))}, got {value!r}")

@@ -21,6 +21,7 @@ from autoplan.cost.dataparallel import grad_wire_bytes
 from autoplan.cost.estimate import adam_bytes_per_param
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.kernels import memory_time_s
+from autoplan.cost.layer import dtype_bytes
 from autoplan.cost.memory import nccl_buffer_bytes, state_bytes_per_param
 from autoplan.cost.overlap import contention_fraction
 from autoplan.plan.engine import Engine
@@ -145,6 +146,9 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     rs_or_ar = np.where(lay["reduce_scatter"][:, None] > 0, per_layer("rs", wire), per_layer("ar", wire))
     reduce = _bucketed_reduce(rs_or_ar, dense + expert, layers, sizes, lay, wire, cluster, engine)
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
+    # dataparallel.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
+    copy_in = np.where(lay["reduce_scatter"][:, None] > 0 if engine.reduce_scatter_copy_in else False,
+                       memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
     z3_fwd = np.where(gmb >= 2, _exposed(fwd, gather, 0 * gather, layers, engine.param_gather_overlap, True, frac)
@@ -152,13 +156,14 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
     dp_b = _exposed(bwd, pre_b, post_b, layers, engine.param_gather_overlap, engine.dp_comm_overlap, frac)
-    dp_b = np.where((gmb >= 1) | every, dp_b + np.where(gmb >= 1, copy_out, 0.0), 0.0)
+    dp_b = np.where((gmb >= 1) | every,
+                    dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, frac)
     x = f["time"] + hops + dp_f + dp_b
     pipe = _pipeline(x, f["bwd_weight"], c, m, v)
     step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
-                             dense, expert, wire, w, cluster) + _optimizer(f, c, lay, cluster, engine)
+                             dense, expert, wire, w, cluster, copy_in) + _optimizer(f, c, lay, cluster, engine)
     if engine.zero3_regather_persistent and "regather_ops" in extra:  # deepspeed.persistent_regather per step
         step = step + np.where(deepspeed, (extra["regather_ops"][:, None] * layers).max(axis=1)
                                * cluster.device.op_overhead_s, 0.0)
@@ -229,9 +234,10 @@ def _pipeline(x, weight, c, m, v):
 
 
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac, sizes, dense, expert, wire, w,
-               cluster) -> np.ndarray:
+               cluster, copy_in) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
-    sum_{k<r} B_k before rank 0) and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
+    sum_{k<r} B_k before rank 0), after its copy-in, and weight all-gather (ZeRO-1/2; overlapped with the
+    next forward)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
         tail = _exposed(bwd_all, 0.0 * reduce, reduce, layers, True, True, frac)
@@ -240,6 +246,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac
         a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
         e = collective_s("ar", sizes, EXPERT_DP, expert * wire, cluster)
         tail = np.where(lay["reduce_scatter"][:, None] > 0, d, a) + e
+    tail = tail + copy_in
     offsets = np.cumsum(bwd_all, axis=1) - bwd_all
     dp_tail = np.where(once[:, 0], np.maximum((np.where(once, tail, 0.0) - offsets).max(axis=1), 0.0), 0.0)
     step_gather = lay["weight_gathers_per_step"][:, None] > 0
