@@ -239,7 +239,7 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     gather, then torch's copy of the gathered list into each of the n outputs: two passes over the
     parameter on the communication stream and deepspeed.GATHER_OPS_PER_RANK x n ops at op_overhead_s on
     the host before the compute, the VIEW_OP share before the gather is enqueued and the CXX_COPY_OP share
-    while it runs), bucketed gradient reductions of
+    while it runs, past deepspeed.PENDING_LAUNCHES queued copies after it), bucketed gradient reductions of
     zero3_grad_reduction, one sub-module of prefetch; with zero3_regather_persistent, the per-step
     re-gather of the persistent parameters (deepspeed.persistent_regather) after the optimizer."""
     w, _, _ = state_bytes_per_param(cluster.dtype, engine)
@@ -261,6 +261,7 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     op = cluster.device.op_overhead_s
     issue = ds.VIEW_OP * n * op if engine.zero3_gather_copy_out else 0.0
     launch = ds.CXX_COPY_OP * n * op if engine.zero3_gather_copy_out else 0.0
+    blocked = ds.CXX_COPY_OP * max(n - ds.PENDING_LAUNCHES, 0) * op if engine.zero3_gather_copy_out else 0.0
 
     def reduce_s(numel: float) -> float:
         # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
@@ -279,7 +280,8 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
                                        - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full))
     fwd, bwd, hidden = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
-                                       issue_s=issue, fill_s=fill_s, launch_s=launch)
+                                       issue_s=issue, fill_s=fill_s, launch_s=launch,
+                                       blocked_s=blocked)
     base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
     base_b = sum(c.time_s for c in rank.costs) - base_f
     exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)

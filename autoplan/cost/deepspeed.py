@@ -28,7 +28,8 @@
   ncclAllGather, then in collective()'s post hook outputTensors[i][j].copy_(outputFlattened[i][j], true)
   for each of the n outputs) launches n copies from the calling thread before it returns: CXX_COPY_OP per
   rank, issued once the all-gather is enqueued (collective(): fn inside the NCCL group, then post), so
-  that loop runs while the all-gather moves data; the copies themselves wait for it on its stream. The
+  that loop runs while the all-gather moves data; the copies themselves wait for it on its stream, and
+  beyond PENDING_LAUNCHES queued ones the host waits too (those launches start as the gather ends). The
   prefetch is issued before the sub-module's compute (pre_sub_module_forward_function: fetch, then
   prefetch_next, then the forward), so those ops delay the compute. The gathered parameter is first
   zero-filled (torch.zeros(aligned_param_size)) and copied out once: three passes over its bytes on the
@@ -67,6 +68,12 @@ REGATHER_OPS_PER_RANK = 3.0 * VIEW_OP + 1.0
 # ... and outside the rank loop: torch.empty of its replica in _allgather_params, and its release after
 # the backward (_partition_param: param.data = torch.ones(1, dtype).to(device)): three eager ops.
 REGATHER_OPS_PER_PARAM = 3.0
+# How many operations a CUDA stream holds queued before the next launch blocks the host until one of them
+# completes: "about 1000" (a public measurement, NVIDIA developer forum "CUDA stream are blocked when
+# launching lots of kernels (>1000)", 2018, also StackOverflow question 53970187: launches take 4-5 us for
+# the first ~1000, then each waits for a queued kernel to finish). The copy-outs of a list all-gather queue
+# behind the gather on its stream, so past this many the host launches them only as the gather ends.
+PENDING_LAUNCHES = 1000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,20 +104,21 @@ def block_modules(numels: Sequence[float], fwd_s: float, bwd_s: float, rec_s: fl
 def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: Engine, *, recompute: bool,
                  gather_s: Callable[[float], float], reduce_s: Callable[[float], float],
                  issue_s: float = 0.0, fill_s: Callable[[float], float] | None = None,
-                 launch_s: float = 0.0) -> tuple[float, float, float]:
+                 launch_s: float = 0.0, blocked_s: float = 0.0) -> tuple[float, float, float]:
     """(forward, backward, hidden communication) seconds of one microbatch through `layers` (model order),
     each layer given as (its modules, its recomputed-forward modules). gather_s(numel) prices one
     parameter's all-gather on the communication stream, reduce_s(numel) one gradient bucket's
     reduction, issue_s the host time before a gather is enqueued (building its output views), fill_s(numel)
     the zero fill of its output buffer that the device synchronize before the gather waits for, both on
     the compute stream's critical path, and launch_s the host time after it is enqueued (the copy-out
-    launches), which runs while the gather moves data. Forward and backward are makespans of _simulate,
-    host time included; the hidden communication is the time collectives ran beside the compute."""
+    launches), which runs while the gather moves data, but for blocked_s of it (the launches past the
+    stream's queue, PENDING_LAUNCHES), which follow the gather's end. Forward and backward are makespans
+    of _simulate, host time included; the hidden communication is the time collectives ran beside the compute."""
     sync = engine.zero3_sync_per_module
     fwd_steps = [_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
                        partitioned=_partitioned(m, engine), keep=False)
                  for li, (mods, _) in enumerate(layers) for mi, m in enumerate(mods)]
-    host = _Issue(before=issue_s, after=launch_s, fill=fill_s)
+    host = _Issue(before=issue_s, after=launch_s, blocked=blocked_s, fill=fill_s)
     fwd, hidden_f = _simulate(fwd_steps, engine, gather_s, host)
     bwd, hidden_b = _simulate(_backward_steps(layers, engine, recompute, reduce_s, sync), engine, gather_s, host)
     return fwd, bwd, hidden_f + hidden_b
@@ -118,11 +126,13 @@ def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: En
 
 @dataclass(frozen=True, slots=True)
 class _Issue:
-    """The host's part of one gather: seconds before it is enqueued, seconds after (overlapping it), and
-    the zero fill of its output (numel -> seconds) that the synchronize before it waits for."""
+    """The host's part of one gather: seconds before it is enqueued, seconds after (overlapping it, but
+    for the `blocked` share, which cannot start before the gather ends), and the zero fill of its output
+    (numel -> seconds) that the synchronize before it waits for."""
 
     before: float = 0.0
     after: float = 0.0
+    blocked: float = 0.0
     fill: Callable[[float], float] | None = None
 
 
@@ -183,9 +193,10 @@ def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], fl
         # follow while it runs, and the last copy cannot end before its launch
         now = max(now, comm_free) + (host.fill(numel) if host.fill else 0.0) + host.before
         g = gather_s(numel)
-        comm_free = now + max(g, host.after)
+        done = max(g, host.after, g + host.blocked if host.blocked > 0 else 0.0)
+        comm_free = now + done
         busy.append((now, now + g))
-        now += host.after
+        now += done if host.blocked > 0 else host.after
         return comm_free
 
     for k, st in enumerate(steps):

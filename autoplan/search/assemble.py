@@ -207,6 +207,7 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
     op = cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0
     before, after = ds.VIEW_OP * n * op, ds.CXX_COPY_OP * n * op
+    blocked = ds.CXX_COPY_OP * np.maximum(n - ds.PENDING_LAUNCHES, 0.0) * op
     red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
     buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
     red = collective_s(red_fn, sizes, ("dp", "ep", "cp"), dense / buckets * wire, cluster) * buckets
@@ -216,8 +217,8 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     host_f = f["host"] * share if engine.zero3_sync_per_module else 0.0 * one
     host_b = f["host"] - host_f if engine.zero3_sync_per_module else 0.0 * one
     if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
-        exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before, after, red, buckets,
-                                                 modules, gathers)
+        exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
+                                                 np.maximum(after, one + blocked), red, buckets, modules, gathers)
         exp_f, exp_b = exp_f + host_f, exp_b + host_b
         return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + frac * hidden, dp_b)
     comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
@@ -232,7 +233,7 @@ def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers):
     """(forward, backward exposed, hidden) seconds of stage 3 without prefetch, for equal sub-modules: every
     gather waited for (the views built before it, the copy-out launches while it runs), each bucket's
     reduction beside the next backward sub-module's compute (its share of `bwd`), the last after it."""
-    gather = before + np.maximum(one, after)
+    gather = before + np.maximum(one, after)  # after: the launches (those past the stream's queue follow the gather)
     per_red = red / buckets
     beside = bwd / (modules * (gathers - 1.0))
     hidden = (buckets - 1.0) * np.minimum(per_red, beside)

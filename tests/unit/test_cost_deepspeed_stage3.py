@@ -68,6 +68,19 @@ def test_the_copy_out_launches_run_while_the_gather_moves_data(after: float) -> 
     assert fwd == pytest.approx(4 * (before + max(g, after)) + FWD)
 
 
+@pytest.mark.parametrize("ranks", [800, 1536, 2240])
+def test_copy_out_launches_past_the_stream_queue_wait_for_the_gather(ranks: int) -> None:
+    """Past PENDING_LAUNCHES queued copies the host blocks until the gather ends, then launches the rest at
+    its own pace: one gather costs max(n c, g + (n - Q) c) after the views (c = CXX_COPY_OP x op). With
+    g = 8 ms and c = 6.7 us, by hand: 800 ranks 8 ms, 1536 ranks 8 + 3.6 ms, 2240 ranks 8 + 8.3 ms."""
+    g, c = 8e-3, DS.CXX_COPY_OP * 1e-5
+    blocked = max(ranks - DS.PENDING_LAUNCHES, 0) * c
+    fwd, _, _ = DS.microbatch_s(_layers(1), _engine(), recompute=False, gather_s=lambda n: g,
+                                reduce_s=lambda n: 0.0, launch_s=ranks * c, blocked_s=blocked)
+    assert fwd == pytest.approx(4 * max(ranks * c, g + blocked) + FWD)
+    assert fwd == pytest.approx(4 * {800: 8e-3, 1536: 8e-3 + 536 * c, 2240: 8e-3 + 1240 * c}[ranks] + FWD)
+
+
 def test_a_bucket_is_flushed_by_the_gradient_that_would_overflow_it() -> None:
     """stage3.py reduce_independent_p_g_buckets_and_remove_grads: `elements_in_ipg_bucket + param.ds_numel
     > reduce_bucket_size` reduces the bucket so far, then the gradient starts the next one; the last
