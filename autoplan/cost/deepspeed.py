@@ -20,8 +20,11 @@
   2021-06, names: "Fix hook registration problem that created off-by-one tracing issue", for "significant
   zero-3 slowdown compared to zero-2", issue #1069; the hooks were reordered in PR #1453, 2022-01);
 - gradients are reduced in buckets of zero3_reduce_bucket_numel elements (reduce_ipg_grads) with an
-  all-reduce or a reduce-scatter, one bucket at a time on the reduction stream;
-- with zero3_gather_copy_out, each gather costs the host a narrow and a copy per rank (GATHER_OPS_PER_RANK):
+  all-reduce or a reduce-scatter, one bucket at a time on the reduction stream: the hook of the gradient
+  that would overflow the bucket reduces it (reduce_independent_p_g_buckets_and_remove_grads), so it runs
+  beside that gradient's sub-module's backward, and the next fetch's device synchronize waits for it;
+- with zero3_gather_copy_out, each gather costs the host a narrow and a copy per rank (GATHER_OPS_PER_RANK;
+  PyTorch 1.8 and DeepSpeed read at 29b444b6c):
   _allgather_param builds the list of n output views in Python (`for i in range(world_size):
   partitions.append(flat_tensor.narrow(...))`: VIEW_OP per rank, before the collective), and
   torch.distributed.all_gather into that list (ProcessGroupNCCL's allgather of PyTorch 1.8: flatten,
@@ -154,73 +157,82 @@ class _Step:
 def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], float],
               host: _Issue) -> tuple[float, float]:
     """stage3.py's fetch / prefetch / release on a compute and a communication stream (the makespan, and
-    how long communication ran beside compute): fetch_sub_module gathers the module's parameter unless it is held or in
-    flight and waits for it; prefetch_next_sub_modules then issues the next module's gather, only if the
-    engine prefetches at all (param_gather_overlap and zero3_trace_aligned), no prefetch is in flight and
-    the gathered parameters (total_available_parameter_numel, prefetched ones included) are below
-    zero3_max_live_numel (stage3_max_live_parameters); each gather starts with a device synchronize
-    (partition_parameters.py _allgather_param: torch.cuda.synchronize() before the all_gather), so the
-    host waits for both streams, then spends host.before issuing it and host.after while it runs, before
-    the compute; with zero3_sync_per_module the wait for a gathered parameter is a device synchronize
-    (_synchronize_communication: torch.cuda.synchronize()), so it also waits for any reduction in flight;
-    release_sub_module re-partitions the parameter unless it is kept. A gradient bucket is reduced on the
-    reduction stream (one communication line with the gathers: the same process group's NCCL stream) as
-    the compute of the module whose gradient hook flushed it runs, once the host has waited for the
-    previous bucket's reduction (stage3.py reduce_ipg_grads: `if self.overlap_comm:
-    self.reduction_stream.synchronize()`); without dp_comm_overlap it runs on the compute stream, first."""
+    how long communication ran beside compute): fetch_sub_module gathers the module's parameter unless it
+    is held or in flight and waits for it; prefetch_next_sub_modules then issues the next module's gather,
+    only if the engine prefetches at all (param_gather_overlap and zero3_trace_aligned), no prefetch is in
+    flight and the gathered parameters (total_available_parameter_numel, prefetched ones included) are
+    below zero3_max_live_numel (stage3_max_live_parameters); with zero3_sync_per_module the wait for a
+    gathered parameter is a device synchronize (_synchronize_communication: torch.cuda.synchronize()), so
+    it also waits for any reduction in flight; release_sub_module re-partitions the parameter unless it is
+    kept. Gathers and reductions are priced by _Lines."""
     held: dict[tuple[int, int], float] = {}
     inflight: dict[tuple[int, int], float] = {}  # key -> time its gather completes
-    now = comm_free = last_reduce = 0.0
     prefetch = engine.param_gather_overlap and engine.zero3_trace_aligned
-    busy: list[tuple[float, float]] = []  # the communication line's intervals
-    computing: list[tuple[float, float]] = []  # the compute stream's
-
-    def reduce(at: float, seconds: float) -> float:
-        """Issue a bucket's reduction from the host at `at`; returns when the host may go on."""
-        nonlocal comm_free, last_reduce
-        if not engine.dp_comm_overlap:  # on the compute stream
-            comm_free = max(comm_free, at) + seconds
-            return comm_free
-        at = max(at, last_reduce)  # the host waits for the previous bucket's reduction
-        comm_free = last_reduce = max(comm_free, at) + seconds
-        busy.append((comm_free - seconds, comm_free))
-        return at
-
-    def issue(numel: float) -> float:
-        nonlocal now, comm_free
-        # the zero-filled output buffer, torch.cuda.synchronize() (which waits for the fill and for both
-        # streams), then the host builds the output views and enqueues the gather; its copy-out launches
-        # follow while it runs, and the last copy cannot end before its launch
-        now = max(now, comm_free) + (host.fill(numel) if host.fill else 0.0) + host.before
-        g = gather_s(numel)
-        done = max(g, host.after, g + host.blocked if host.blocked > 0 else 0.0)
-        comm_free = now + done
-        busy.append((now, now + g))
-        now += done if host.blocked > 0 else host.after
-        return comm_free
-
+    t = _Lines(engine=engine, host=host, gather_s=gather_s)
     for k, st in enumerate(steps):
-        ready = now
+        ready = t.now
         if st.key in inflight:  # prefetched: wait for it (and, synchronizing the device, for the rest)
-            ready = max(now, inflight.pop(st.key), comm_free if engine.zero3_sync_per_module else 0.0)
+            ready = max(t.now, inflight.pop(st.key), t.comm_free if engine.zero3_sync_per_module else 0.0)
         elif st.partitioned and st.key not in held:
-            ready = issue(st.numel)
+            ready = t.gather(st.numel)
             held[st.key] = st.numel
         nxt = steps[k + 1] if k + 1 < len(steps) else None
         if (prefetch and nxt is not None and nxt.partitioned and nxt.key not in held and not inflight
                 and sum(held.values()) < engine.zero3_max_live_numel):
-            inflight[nxt.key] = issue(nxt.numel)
+            inflight[nxt.key] = t.gather(nxt.numel)
             held[nxt.key] = nxt.numel  # counted as available once prefetched (_increment_available_parameter_numel)
-        start = max(now, ready)
+        start = max(t.now, ready)
         if st.reduce > 0:
-            start = reduce(start, st.reduce)
-        now = start + st.compute
-        computing.append((start, now))
+            start = t.reduce(start, st.reduce)
+        t.now = start + st.compute
+        t.computing.append((start, t.now))
         if not st.keep:
             held.pop(st.key, None)
         if st.post > 0:
-            now = reduce(now, st.post)
-    return max(now, comm_free), _intersection(busy, computing)
+            t.now = t.reduce(t.now, st.post)
+    return max(t.now, t.comm_free), _intersection(t.busy, t.computing)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Lines:
+    """The host's clock (now), the communication line's (comm_free: gathers and reductions share the
+    process group's NCCL stream) and what each line was busy with."""
+
+    engine: Engine
+    host: _Issue
+    gather_s: Callable[[float], float]
+    now: float = 0.0
+    comm_free: float = 0.0
+    last_reduce: float = 0.0
+    busy: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    computing: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+    def gather(self, numel: float) -> float:
+        """One parameter's all-gather; returns when its copy-out is done. partition_parameters.py
+        _allgather_param: the zero-filled output buffer, torch.cuda.synchronize() (which waits for the fill
+        and for both streams), the host's output views, the enqueued gather, then its copy-out launches
+        beside it (host.after), those past the stream's queue (host.blocked) after it."""
+        h = self.host
+        self.now = max(self.now, self.comm_free) + (h.fill(numel) if h.fill else 0.0) + h.before
+        g = self.gather_s(numel)
+        done = max(g + h.blocked, h.after)
+        self.comm_free = self.now + done
+        self.busy.append((self.now, self.now + g))
+        self.now += done if h.blocked > 0 else h.after
+        return self.comm_free
+
+    def reduce(self, at: float, seconds: float) -> float:
+        """A gradient bucket's reduction issued from the host at `at`; returns when the host may go on. On
+        the reduction stream once the host has waited for the previous bucket's (stage3.py reduce_ipg_grads:
+        `if self.overlap_comm: self.reduction_stream.synchronize()`); without dp_comm_overlap on the
+        compute stream, first."""
+        if not self.engine.dp_comm_overlap:
+            self.comm_free = max(self.comm_free, at) + seconds
+            return self.comm_free
+        at = max(at, self.last_reduce)
+        self.comm_free = self.last_reduce = max(self.comm_free, at) + seconds
+        self.busy.append((self.comm_free - seconds, self.comm_free))
+        return at
 
 
 def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
