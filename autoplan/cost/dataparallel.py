@@ -255,7 +255,8 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     zero3_gather_copy_out, the zero fill of the output, waited for by the device synchronize before the
     gather, then torch's copy of the gathered list into each of the n outputs: two passes over the
     parameter on the communication stream and deepspeed.GATHER_OPS_PER_RANK x n ops at op_overhead_s on
-    the host, before the compute), bucketed gradient reductions of
+    the host before the compute, the VIEW_OP share before the gather is enqueued and the CXX_COPY_OP share
+    while it runs, past deepspeed.PENDING_LAUNCHES queued copies after it), bucketed gradient reductions of
     zero3_grad_reduction, one sub-module of prefetch; with zero3_regather_persistent, the per-step
     re-gather of the persistent parameters (deepspeed.persistent_regather) after the optimizer."""
     w, _, _ = state_bytes_per_param(cluster.dtype, engine)
@@ -275,7 +276,9 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         return memory_time_s(cluster.device, numel * w) if engine.zero3_gather_copy_out else 0.0
 
     op = cluster.device.op_overhead_s
-    issue = ds.GATHER_OPS_PER_RANK * n * op if engine.zero3_gather_copy_out else 0.0
+    issue = ds.VIEW_OP * n * op if engine.zero3_gather_copy_out else 0.0
+    launch = ds.CXX_COPY_OP * n * op if engine.zero3_gather_copy_out else 0.0
+    blocked = ds.CXX_COPY_OP * max(n - ds.PENDING_LAUNCHES, 0) * op if engine.zero3_gather_copy_out else 0.0
 
     def reduce_s(numel: float) -> float:
         # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
@@ -293,12 +296,13 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
         layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
                                        - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full))
-    fwd, bwd, comm_s = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
-                                       issue_s=issue, fill_s=fill_s)
+    fwd, bwd, hidden = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
+                                       issue_s=issue, fill_s=fill_s, launch_s=launch,
+                                       blocked_s=blocked)
     base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
     base_b = sum(c.time_s for c in rank.costs) - base_f
     exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)
-    penalty = hidden_penalty_s(max(comm_s - exposed, 0.0), cluster)
+    penalty = hidden_penalty_s(hidden, cluster)
     rank.fwd += fwd - base_f
     rank.bwd += bwd - base_b + penalty
     rank.dp += exposed + penalty

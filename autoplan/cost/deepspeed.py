@@ -8,20 +8,35 @@
   zero3_sync_per_module, synchronizes the device: the host cannot run ahead, so each sub-module's host
   time adds to its kernels'); prefetch_next_sub_modules queues the next parameters, only when nothing is
   in flight and fewer than zero3_max_live_numel elements are gathered (stage3_max_live_parameters), up
-  to zero3_prefetch_numel elements: at most one sub-module of prefetch;
+  to zero3_prefetch_numel elements: at most one sub-module of prefetch (param_gather_overlap);
 - release_sub_module re-partitions a parameter after use unless it is needed again within
   zero3_max_reuse_numel elements (_keep_for_later): the recomputed forward and the backward gather again;
+- both look the sub-module up in the trace recorded in the first step (PrefetchCoordinator
+  get_params_to_prefetch, get_reuse_distance_in_numel: `if sub_module.id != trace[step_id]`, "Tracing
+  failed"); without zero3_trace_aligned every lookup misses, so nothing is prefetched and nothing kept:
+  from v0.3.14 (commit 7b46d11fa, 2021-04-07) setup_zero_stage3_hooks registers the step reset
+  (_pre_forward_hook) after _register_hooks_recursively has given the top module its own pre-forward
+  hook, which counts a step first, so step_id trails the trace by one (the off-by-one DeepSpeed PR #1170,
+  2021-06, names: "Fix hook registration problem that created off-by-one tracing issue", for "significant
+  zero-3 slowdown compared to zero-2", issue #1069; the hooks were reordered in PR #1453, 2022-01);
 - gradients are reduced in buckets of zero3_reduce_bucket_numel elements (reduce_ipg_grads) with an
-  all-reduce or a reduce-scatter, one bucket at a time on the reduction stream;
-- with zero3_gather_copy_out, each gather costs the host a narrow and a copy per rank (GATHER_OPS_PER_RANK):
+  all-reduce or a reduce-scatter, one bucket at a time on the reduction stream: the hook of the gradient
+  that would overflow the bucket reduces it (reduce_independent_p_g_buckets_and_remove_grads), so it runs
+  beside that gradient's sub-module's backward, and the next fetch's device synchronize waits for it;
+- with zero3_gather_copy_out, each gather costs the host a narrow and a copy per rank (GATHER_OPS_PER_RANK;
+  PyTorch 1.8 and DeepSpeed read at 29b444b6c):
   _allgather_param builds the list of n output views in Python (`for i in range(world_size):
-  partitions.append(flat_tensor.narrow(...))`), and torch.distributed.all_gather into that list
-  (ProcessGroupNCCL's allgather of PyTorch 1.8: flatten, ncclAllGather, then
-  outputTensors[i][j].copy_(outputFlattened[i][j], true) for each of the n outputs) launches n copies from
-  the calling thread before it returns; the prefetch is issued before the sub-module's compute
-  (pre_sub_module_forward_function: fetch, then prefetch_next, then the forward), so those ops delay the
-  compute. The gathered parameter is first zero-filled (torch.zeros(aligned_param_size)) and copied out
-  once: three passes over its bytes on the communication stream;
+  partitions.append(flat_tensor.narrow(...))`: VIEW_OP per rank, before the collective), and
+  torch.distributed.all_gather into that list (ProcessGroupNCCL's allgather of PyTorch 1.8: flatten,
+  ncclAllGather, then in collective()'s post hook outputTensors[i][j].copy_(outputFlattened[i][j], true)
+  for each of the n outputs) launches n copies from the calling thread before it returns: CXX_COPY_OP per
+  rank, issued once the all-gather is enqueued (collective(): fn inside the NCCL group, then post), so
+  that loop runs while the all-gather moves data; the copies themselves wait for it on its stream, and
+  beyond PENDING_LAUNCHES queued ones the host waits too (those launches start as the gather ends). The
+  prefetch is issued before the sub-module's compute (pre_sub_module_forward_function: fetch, then
+  prefetch_next, then the forward), so those ops delay the compute. The gathered parameter is first
+  zero-filled (torch.zeros(aligned_param_size)) and copied out once: three passes over its bytes on the
+  communication stream;
 - with zero3_regather_persistent, the step ends by gathering the persistent parameters again
   (persistent_regather: stage3.py _post_step after _partition_all_parameters released them at the end of
   the backward), a host loop over the ranks per parameter.
@@ -32,6 +47,7 @@ with its share of the block's FLOPs, on a compute and a communication stream (_s
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +71,12 @@ REGATHER_OPS_PER_RANK = 3.0 * VIEW_OP + 1.0
 # ... and outside the rank loop: torch.empty of its replica in _allgather_params, and its release after
 # the backward (_partition_param: param.data = torch.ones(1, dtype).to(device)): three eager ops.
 REGATHER_OPS_PER_PARAM = 3.0
+# How many operations a CUDA stream holds queued before the next launch blocks the host until one of them
+# completes: "about 1000" (a public measurement, NVIDIA developer forum "CUDA stream are blocked when
+# launching lots of kernels (>1000)", 2018, also StackOverflow question 53970187: launches take 4-5 us for
+# the first ~1000, then each waits for a queued kernel to finish). The copy-outs of a list all-gather queue
+# behind the gather on its stream, so past this many the host launches them only as the gather ends.
+PENDING_LAUNCHES = 1000
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -84,88 +106,145 @@ def block_modules(numels: Sequence[float], fwd_s: float, bwd_s: float, rec_s: fl
 
 def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: Engine, *, recompute: bool,
                  gather_s: Callable[[float], float], reduce_s: Callable[[float], float],
-                 issue_s: float = 0.0, fill_s: Callable[[float], float] | None = None) -> tuple[float, float, float]:
-    """(forward, backward, communication) seconds of one microbatch through `layers` (model order),
+                 issue_s: float = 0.0, fill_s: Callable[[float], float] | None = None,
+                 launch_s: float = 0.0, blocked_s: float = 0.0) -> tuple[float, float, float]:
+    """(forward, backward, hidden communication) seconds of one microbatch through `layers` (model order),
     each layer given as (its modules, its recomputed-forward modules). gather_s(numel) prices one
     parameter's all-gather on the communication stream, reduce_s(numel) one gradient bucket's
-    reduction, issue_s the host time to issue one gather (its copy-out launches) and fill_s(numel) the
-    zero fill of its output buffer that the device synchronize before the gather waits for, both on the
-    compute stream's critical path. Forward and backward are makespans of _simulate, host time included."""
+    reduction, issue_s the host time before a gather is enqueued (building its output views), fill_s(numel)
+    the zero fill of its output buffer that the device synchronize before the gather waits for, both on
+    the compute stream's critical path, and launch_s the host time after it is enqueued (the copy-out
+    launches), which runs while the gather moves data, but for blocked_s of it (the launches past the
+    stream's queue, PENDING_LAUNCHES), which follow the gather's end. Forward and backward are makespans
+    of _simulate, host time included; the hidden communication is the time collectives ran beside the compute."""
     sync = engine.zero3_sync_per_module
     fwd_steps = [_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
                        partitioned=_partitioned(m, engine), keep=False)
                  for li, (mods, _) in enumerate(layers) for mi, m in enumerate(mods)]
-    fwd, comm_f = _simulate(fwd_steps, engine, gather_s, issue_s, fill_s)
-    bwd, comm_b = _simulate(_backward_steps(layers, engine, recompute, reduce_s, sync), engine, gather_s, issue_s,
-                            fill_s)
-    return fwd, bwd, comm_f + comm_b
+    host = _Issue(before=issue_s, after=launch_s, blocked=blocked_s, fill=fill_s)
+    fwd, hidden_f = _simulate(fwd_steps, engine, gather_s, host)
+    bwd, hidden_b = _simulate(_backward_steps(layers, engine, recompute, reduce_s, sync), engine, gather_s, host)
+    return fwd, bwd, hidden_f + hidden_b
+
+
+@dataclass(frozen=True, slots=True)
+class _Issue:
+    """The host's part of one gather: seconds before it is enqueued, seconds after (overlapping it, but
+    for the `blocked` share, which cannot start before the gather ends), and the zero fill of its output
+    (numel -> seconds) that the synchronize before it waits for."""
+
+    before: float = 0.0
+    after: float = 0.0
+    blocked: float = 0.0
+    fill: Callable[[float], float] | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class _Step:
     """One sub-module's use: which parameter (key), its size, its compute, whether it is partitioned,
-    whether it stays gathered after (reuse within zero3_max_reuse_numel), the reduction queued after it."""
+    whether it stays gathered after (reuse within zero3_max_reuse_numel), the reduction its gradient hook
+    issues as its compute runs (the previous bucket) and the one queued after it (the last bucket)."""
 
     key: tuple[int, int]
     numel: float
     compute: float
     partitioned: bool
     keep: bool
+    reduce: float = 0.0
     post: float = 0.0
 
 
-def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], float], issue_s: float,
-              fill_s: Callable[[float], float] | None = None) -> tuple[float, float]:
+def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], float],
+              host: _Issue) -> tuple[float, float]:
     """stage3.py's fetch / prefetch / release on a compute and a communication stream (the makespan, and
-    the communication time): fetch_sub_module gathers the module's parameter unless it is held or in
-    flight and waits for it; prefetch_next_sub_modules then issues the next module's gather, only if no
-    prefetch is in flight and the gathered parameters (total_available_parameter_numel, prefetched ones
-    included) are below zero3_max_live_numel (stage3_max_live_parameters); each gather starts with a
-    device synchronize (partition_parameters.py _allgather_param: torch.cuda.synchronize() before the
-    all_gather), so the host waits for both streams, then spends issue_s issuing it, before the compute;
-    release_sub_module re-partitions the parameter unless it is kept. A full gradient bucket is reduced
-    on the reduction stream (one communication line with the gathers: the same NICs) once the host has
-    waited for the previous bucket's reduction (stage3.py reduce_ipg_grads: `if self.overlap_comm:
-    self.reduction_stream.synchronize()`); without dp_comm_overlap it runs on the compute stream."""
+    how long communication ran beside compute): fetch_sub_module gathers the module's parameter unless it
+    is held or in flight and waits for it; prefetch_next_sub_modules then issues the next module's gather,
+    only if the engine prefetches at all (param_gather_overlap and zero3_trace_aligned), no prefetch is in
+    flight and the gathered parameters (total_available_parameter_numel, prefetched ones included) are
+    below zero3_max_live_numel (stage3_max_live_parameters); with zero3_sync_per_module the wait for a
+    gathered parameter is a device synchronize (_synchronize_communication: torch.cuda.synchronize()), so
+    it also waits for any reduction in flight; release_sub_module re-partitions the parameter unless it is
+    kept. Gathers and reductions are priced by _Lines."""
     held: dict[tuple[int, int], float] = {}
     inflight: dict[tuple[int, int], float] = {}  # key -> time its gather completes
-    now = comm_free = comm_total = last_reduce = 0.0
-
-    def issue(numel: float) -> float:
-        nonlocal now, comm_free, comm_total
-        # the zero-filled output buffer, torch.cuda.synchronize() (which waits for the fill and for both
-        # streams), then the host issues the gather
-        now = max(now, comm_free) + (fill_s(numel) if fill_s else 0.0) + issue_s
-        g = gather_s(numel)
-        comm_free = now + g
-        comm_total += g
-        return comm_free
-
+    prefetch = engine.param_gather_overlap and engine.zero3_trace_aligned
+    t = _Lines(engine=engine, host=host, gather_s=gather_s)
     for k, st in enumerate(steps):
-        ready = now
-        if st.key in inflight:  # prefetched: wait for it
-            ready = max(now, inflight.pop(st.key))
+        ready = t.now
+        if st.key in inflight:  # prefetched: wait for it (and, synchronizing the device, for the rest)
+            ready = max(t.now, inflight.pop(st.key), t.comm_free if engine.zero3_sync_per_module else 0.0)
         elif st.partitioned and st.key not in held:
-            ready = issue(st.numel)
+            ready = t.gather(st.numel)
             held[st.key] = st.numel
         nxt = steps[k + 1] if k + 1 < len(steps) else None
-        if (nxt is not None and nxt.partitioned and nxt.key not in held and not inflight
+        if (prefetch and nxt is not None and nxt.partitioned and nxt.key not in held and not inflight
                 and sum(held.values()) < engine.zero3_max_live_numel):
-            inflight[nxt.key] = issue(nxt.numel)
+            inflight[nxt.key] = t.gather(nxt.numel)
             held[nxt.key] = nxt.numel  # counted as available once prefetched (_increment_available_parameter_numel)
-        start = max(now, ready)
-        now = start + st.compute
+        start = max(t.now, ready)
+        if st.reduce > 0:
+            start = t.reduce(start, st.reduce)
+        t.now = start + st.compute
+        t.computing.append((start, t.now))
         if not st.keep:
             held.pop(st.key, None)
         if st.post > 0:
-            if engine.dp_comm_overlap:
-                now = max(now, last_reduce)  # the host waits for the previous bucket's reduction
-                comm_free = max(comm_free, now) + st.post
-                last_reduce = comm_free
-            else:
-                now = comm_free = max(comm_free, now) + st.post
-            comm_total += st.post
-    return max(now, comm_free), comm_total
+            t.now = t.reduce(t.now, st.post)
+    return max(t.now, t.comm_free), _intersection(t.busy, t.computing)
+
+
+@dataclass(slots=True, kw_only=True)
+class _Lines:
+    """The host's clock (now), the communication line's (comm_free: gathers and reductions share the
+    process group's NCCL stream) and what each line was busy with."""
+
+    engine: Engine
+    host: _Issue
+    gather_s: Callable[[float], float]
+    now: float = 0.0
+    comm_free: float = 0.0
+    last_reduce: float = 0.0
+    busy: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+    computing: list[tuple[float, float]] = dataclasses.field(default_factory=list)
+
+    def gather(self, numel: float) -> float:
+        """One parameter's all-gather; returns when its copy-out is done. partition_parameters.py
+        _allgather_param: the zero-filled output buffer, torch.cuda.synchronize() (which waits for the fill
+        and for both streams), the host's output views, the enqueued gather, then its copy-out launches
+        beside it (host.after), those past the stream's queue (host.blocked) after it."""
+        h = self.host
+        self.now = max(self.now, self.comm_free) + (h.fill(numel) if h.fill else 0.0) + h.before
+        g = self.gather_s(numel)
+        done = max(g + h.blocked, h.after)
+        self.comm_free = self.now + done
+        self.busy.append((self.now, self.now + g))
+        self.now += done if h.blocked > 0 else h.after
+        return self.comm_free
+
+    def reduce(self, at: float, seconds: float) -> float:
+        """A gradient bucket's reduction issued from the host at `at`; returns when the host may go on. On
+        the reduction stream once the host has waited for the previous bucket's (stage3.py reduce_ipg_grads:
+        `if self.overlap_comm: self.reduction_stream.synchronize()`); without dp_comm_overlap on the
+        compute stream, first."""
+        if not self.engine.dp_comm_overlap:
+            self.comm_free = max(self.comm_free, at) + seconds
+            return self.comm_free
+        at = max(at, self.last_reduce)
+        self.comm_free = self.last_reduce = max(self.comm_free, at) + seconds
+        self.busy.append((self.comm_free - seconds, self.comm_free))
+        return at
+
+
+def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Total length shared by two lists of disjoint intervals, each in time order."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        total += max(0.0, min(a[i][1], b[j][1]) - max(a[i][0], b[j][0]))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
 
 
 def _partitioned(m: Module, engine: Engine) -> bool:
@@ -184,9 +263,13 @@ def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: boo
     """Layers in reverse: the recomputed forward (gathering again; a module stays gathered if fewer than
     zero3_max_reuse_numel elements are used between its recomputed forward and its backward: stage3.py
     _keep_for_later -> get_reuse_distance_in_numel sums the parameters of the traced sub-modules in
-    between, here the layer's later modules twice, recomputed and then backward), then the backward in
-    reverse module order (released after); gradients fill buckets, each reduced when full (and the last
-    one at the end)."""
+    between, here the layer's later modules twice, recomputed and then backward; never without
+    zero3_trace_aligned: the lookup misses and returns its 1e12 default), then the backward in reverse
+    module order (released after). Gradients fill buckets as stage3.py
+    reduce_independent_p_g_buckets_and_remove_grads does: when a gradient would overflow the bucket
+    (`elements_in_ipg_bucket + param.ds_numel > reduce_bucket_size`), its hook first reduces the bucket so
+    far (reduce_ipg_grads), then starts the next with it; the last bucket is reduced after the backward
+    (independent_gradient_partition_epilogue)."""
     steps: list[_Step] = []
     bucket = 0.0
     for li in reversed(range(len(layers))):
@@ -197,19 +280,17 @@ def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: boo
                 # after it, then their backwards (stage3.py _distance_in_numel over sub_module_trace)
                 used_since = 2.0 * sum(x.numel for x in mods[mi + 1:])
                 steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
-                                   partitioned=_partitioned(m, engine), keep=used_since < engine.zero3_max_reuse_numel))
+                                   partitioned=_partitioned(m, engine),
+                                   keep=engine.zero3_trace_aligned and used_since < engine.zero3_max_reuse_numel))
         for mi in reversed(range(len(mods))):
             m = mods[mi]
-            bucket += m.numel
-            full = bucket >= engine.zero3_reduce_bucket_numel
+            flush = bucket > 0 and bucket + m.numel > engine.zero3_reduce_bucket_numel
             steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=True, sync=sync),
                                partitioned=_partitioned(m, engine), keep=False,
-                               post=reduce_s(bucket) if full else 0.0))
-            bucket = 0.0 if full else bucket
+                               reduce=reduce_s(bucket) if flush else 0.0))
+            bucket = (0.0 if flush else bucket) + m.numel
     if bucket and steps:
-        last = steps[-1]
-        steps[-1] = _Step(key=last.key, numel=last.numel, compute=last.compute, partitioned=last.partitioned,
-                          keep=last.keep, post=last.post + reduce_s(bucket))
+        steps[-1] = dataclasses.replace(steps[-1], post=reduce_s(bucket))
     return steps
 
 

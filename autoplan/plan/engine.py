@@ -76,6 +76,7 @@ class Engine:
     zero3_gather_copy_out: bool = False  # all_gather into a list: one copy kernel per rank per gather
     zero3_fetch_norm: bool = False  # every fetched parameter's norm is computed (a debug f-string evaluated eagerly)
     zero3_regather_persistent: bool = False  # the step ends by re-gathering the persistent parameters rank by rank
+    zero3_trace_aligned: bool = True  # the recorded sub-module trace lines up with the step counter: prefetch and keep-for-later work
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:

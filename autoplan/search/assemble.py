@@ -198,9 +198,11 @@ def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster,
 
 
 def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac):
-    """DeepSpeed stage 3 (cost/deepspeed.py) for equal layers: each layer's parameters gathered one sub-
-    module ahead in forward, again for a full recompute, again in backward unless kept, the buckets reduced
-    as they fill; the host launches of the copy-out delay the compute."""
+    """DeepSpeed stage 3 (cost/deepspeed.py) for equal layers: each layer's parameters gathered in forward,
+    again for a full recompute, again in backward, the buckets reduced as they fill; the host launches of
+    the copy-out delay the compute. With prefetch (param_gather_overlap and zero3_trace_aligned) one sub-
+    module ahead; without, each gather is waited for and each bucket's reduction hides behind the next
+    backward sub-module's compute (_deepspeed_serial)."""
     if not mask.any():
         return dp_f, dp_b
     dense = f["dense_params"] + f["expert_params"]
@@ -208,21 +210,40 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
     one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster)
     n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
-    issue = ds.GATHER_OPS_PER_RANK * n * cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0 * n
+    op = cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0
+    before, after = ds.VIEW_OP * n * op, ds.CXX_COPY_OP * n * op
+    blocked = ds.CXX_COPY_OP * np.maximum(n - ds.PENDING_LAUNCHES, 0.0) * op
     red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
     buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
     red = collective_s(red_fn, sizes, ("dp", "ep", "cp"), dense / buckets * wire, cluster) * buckets
-    comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
     # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
     full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
     share = np.where(full, 0.25, 1.0 / 3.0)  # forward : recompute : backward host = 1 : 1 : 2 (block_modules)
-    host_f = f["host"] * share if engine.zero3_sync_per_module else 0.0 * comm_f
-    host_b = f["host"] - host_f if engine.zero3_sync_per_module else 0.0 * comm_f
-    exp_f = _uniform_exposed(f["fwd"] + host_f, comm_f, 0.0 * comm_f, modules) + issue * modules + host_f
+    host_f = f["host"] * share if engine.zero3_sync_per_module else 0.0 * one
+    host_b = f["host"] - host_f if engine.zero3_sync_per_module else 0.0 * one
+    if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
+        exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
+                                                 np.maximum(after, one + blocked), red, buckets, modules, gathers)
+        exp_f, exp_b = exp_f + host_f, exp_b + host_b
+        return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + frac * hidden, dp_b)
+    comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
+    exp_f = _uniform_exposed(f["fwd"] + host_f, comm_f, 0.0 * comm_f, modules) + (before + after) * modules + host_f
     exp_b = (_uniform_exposed(f["time"] - f["fwd"] + host_b, comm_b, 0.0 * comm_b, modules)
-             + issue * modules * (gathers - 1) + host_b)
+             + (before + after) * modules * (gathers - 1) + host_b)
     pen = frac * np.maximum(comm_f + comm_b - exp_f - exp_b + host_f + host_b, 0.0)
     return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + pen, dp_b)
+
+
+def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers):
+    """(forward, backward exposed, hidden) seconds of stage 3 without prefetch, for equal sub-modules: every
+    gather waited for (the views built before it, the copy-out launches while it runs), each bucket's
+    reduction beside the next backward sub-module's compute (its share of `bwd`), the last after it."""
+    gather = before + np.maximum(one, after)  # after: the launches (those past the stream's queue follow the gather)
+    per_red = red / buckets
+    beside = bwd / (modules * (gathers - 1.0))
+    hidden = (buckets - 1.0) * np.minimum(per_red, beside)
+    exposed_red = (buckets - 1.0) * np.maximum(per_red - beside, 0.0) + per_red
+    return gather * modules, gather * modules * (gathers - 1.0) + exposed_red, hidden
 
 
 def _pipeline(x, weight, c, m, v):
