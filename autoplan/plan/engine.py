@@ -42,6 +42,7 @@ class Engine:
     block_backward_ops: int = 0  # ... in its backward (0: compute.BACKWARD_OPS_PER_FORWARD_OP x forward)
     checkpoint_forward_ops: int = 0  # host ops of the activation-checkpoint wrapper around a fully recomputed block, forward
     checkpoint_backward_ops: int = 0  # ... and in its backward (RNG state restore, detach, the re-entrant backward)
+    block_forward_syncs: int = 0  # device-synchronising host-to-device copies in one block's forward (torch.tensor(x, device=cuda))
     main_grads_fp32: bool = False  # gradients accumulate in an fp32 buffer (Megatron main_grad): 4 B/param
     grad_reduce_fp32: bool = True  # bf16/fp8 training reduces gradients in fp32 (fp16 always in fp16)
     pipelined_fsdp_defers_sync: bool = True  # with pp > 1, FSDP gradient sync waits for the last microbatch
