@@ -17,7 +17,7 @@ from autoplan.cost.kernels import (
     memory_time_s,
     unfused_attention_s,
 )
-from autoplan.cost.passes import extra_pass_bytes
+from autoplan.cost.passes import SOFTMAX_FALLBACK_BWD_OPS, SOFTMAX_FALLBACK_FWD_OPS, block_pass_bytes
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import expert_tp_split
@@ -352,7 +352,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
                                       dtype_bytes=dtype_bytes, scores_materialised=scores_materialised,
                                       nonmatmul_ratio=nonmatmul_ratio)
     elem_s = memory_time_s(device, elementwise_bytes)
-    extra = extra_pass_bytes(shape, tokens, t, config.sp, dtype_bytes, engine)
+    extra, fallback = block_pass_bytes(shape, tokens, config, seq_len, dtype_bytes, engine, scores_materialised)
     fwd = mm_s + attn_fwd + elem_s + memory_time_s(device, extra.fwd)
     bwd = dx_s + dw_s + attn_bwd + 1.5 * elem_s + memory_time_s(device, extra.bwd)
     attention_fwd = attn_fwd + memory_time_s(device, score_bytes + extra.attention_fwd)
@@ -365,6 +365,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     else:
         rec = attention_fwd
     ops_f, ops_b = host_ops(layer, engine)
+    if fallback and not engine.cuda_graphs:  # the torch softmax's ops in place of the fused kernel's one
+        ops_f, ops_b = ops_f + SOFTMAX_FALLBACK_FWD_OPS, ops_b + SOFTMAX_FALLBACK_BWD_OPS
     ops_r = ops_f if layer.role is LayerRole.BLOCK and recompute is Recompute.FULL else 0.0
     if ops_r and not engine.cuda_graphs:  # the checkpoint wrapper's own ops around the block
         ops_f, ops_b = ops_f + engine.checkpoint_forward_ops, ops_b + engine.checkpoint_backward_ops

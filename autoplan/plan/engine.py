@@ -56,6 +56,7 @@ class Engine:
     bias_grad_reduction: bool = True  # each biased linear's bias gradient is its own reduction over the tokens
     attention_layout_copies: bool = False  # Megatron's [s, b, np, hn] core: context permute copy, QKV split's cat in backward
     attention_grad_scale: bool = False  # baddbmm(alpha) backward scales the dQ and dK products in passes of their own
+    fused_softmax_max_keys: int = 0  # Megatron's fused scale-mask-softmax runs only under its shape rules (cost/passes.py), else a torch fallback in fp32; 0: no such rules
     # what autograd keeps for the backward (cost/memory.block_activation_bytes)
     sp_saves_gathered_input: bool = True  # with SP, the column-parallel linears keep their all-gathered input (DTensor), not the local shard
     attention_saves_repeated_kv: bool = True  # grouped-query K / V are repeated to the query heads before the attention kernel, which keeps them
