@@ -17,7 +17,7 @@ from autoplan.cost.kernels import (
     memory_time_s,
     unfused_attention_s,
 )
-from autoplan.cost.passes import extra_pass_bytes
+from autoplan.cost.passes import SOFTMAX_FALLBACK_BWD_OPS, SOFTMAX_FALLBACK_FWD_OPS, block_pass_bytes
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import expert_tp_split
@@ -51,6 +51,12 @@ EAGER_ROPE_TRAFFIC = 4.5
 FA_BACKWARD_FLOPS = 2.5
 # Backward kernels issued per forward op (input and weight gradients: about two), for the host time.
 BACKWARD_OPS_PER_FORWARD_OP = 2.0
+# A device-synchronising host-to-device copy (torch.tensor(x, device=cuda): copy_ with non_blocking=False
+# is cudaMemcpyAsync + cudaStreamSynchronize, PyTorch aten/src/ATen/native/cuda/Copy.cu) holds the host
+# until the copy has run behind every queued kernel: the copy's own latency, 5-7 us per cudaMemcpyAsync
+# of a small chunk (Wu et al., "DualPath", arXiv 2602.21548, section 5.2, measured); the device, its queue
+# now empty, then idles while the host issues the next kernel (one op_overhead_s). See layer_compute.
+H2D_SYNC_COPY_S = 6.0e-6
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -152,6 +158,10 @@ class ComputeTimes:
     # weight-gradient GEMMs of the column-parallel linears whose input gradient is tp-reduced (QKV; the
     # MLP's input projections): what an asynchronous backward TP collective overlaps (Engine.tp_bwd_overlap)
     wgrad_column_s: tuple[float, ...] = ()
+    # what the block's device-synchronising copies add to each forward (and to a fully recomputed one,
+    # which runs the same code), after max(device, host): the copies' latency and the drained queue's
+    # idle device (Engine.block_forward_syncs, H2D_SYNC_COPY_S)
+    sync_fwd_s: float = 0.0
 
 
 def expert_divisor(config: ParallelConfig, engine: Engine | None = None) -> int:
@@ -315,7 +325,10 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     own thread issues and then runs each op, so they add). Under tp > 1 each op also pays
     device.tp_op_overhead_s (DTensor sharding propagation in front of every op) and, when the layer is
     data parallel (dp * ep * cp > 1), each pass device.dp_layer_overhead_s (FSDP2's pre/post hooks per
-    module), twice in the backward; both are measured on CPU profiles and 0 on the shipped GPU ones."""
+    module), twice in the backward; both are measured on CPU profiles and 0 on the shipped GPU ones.
+    A block whose forward makes engine.block_forward_syncs device-synchronising host-to-device copies
+    pays each one's H2D_SYNC_COPY_S + op_overhead_s per forward (sync_fwd_s; not under CUDA graphs, not
+    on a CPU profile, whose ops already run synchronously)."""
     engine = engine or Engine()
     t = config.tp
     tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
@@ -344,7 +357,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
                                       dtype_bytes=dtype_bytes, scores_materialised=scores_materialised,
                                       nonmatmul_ratio=nonmatmul_ratio)
     elem_s = memory_time_s(device, elementwise_bytes)
-    extra = extra_pass_bytes(shape, tokens, t, config.sp, dtype_bytes, engine)
+    extra, fallback = block_pass_bytes(shape, tokens, config, seq_len, dtype_bytes, engine, scores_materialised)
     fwd = mm_s + attn_fwd + elem_s + memory_time_s(device, extra.fwd)
     bwd = dx_s + dw_s + attn_bwd + 1.5 * elem_s + memory_time_s(device, extra.bwd)
     attention_fwd = attn_fwd + memory_time_s(device, score_bytes + extra.attention_fwd)
@@ -358,6 +371,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     else:
         rec = attention_fwd
     ops_f, ops_b = host_ops(layer, engine)
+    if fallback and not engine.cuda_graphs:  # the torch softmax's ops in place of the fused kernel's one
+        ops_f, ops_b = ops_f + SOFTMAX_FALLBACK_FWD_OPS, ops_b + SOFTMAX_FALLBACK_BWD_OPS
     ops_r = ops_f if layer.role is LayerRole.BLOCK and recompute is Recompute.FULL else 0.0
     if ops_r and not engine.cuda_graphs:  # the checkpoint wrapper's own ops around the block
         ops_f, ops_b = ops_f + engine.checkpoint_forward_ops, ops_b + engine.checkpoint_backward_ops
@@ -365,10 +380,12 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     # tensor-parallel layer, FSDP2's per-module hooks per pass of a data-parallel layer (backward: twice)
     op = device.op_overhead_s + (device.tp_op_overhead_s if t > 1 else 0.0)
     hook = device.dp_layer_overhead_s if config.num_replicas * config.cp > 1 else 0.0
+    syncs = engine.block_forward_syncs if layer.role is LayerRole.BLOCK and not engine.cuda_graphs else 0
+    sync = syncs * (H2D_SYNC_COPY_S + device.op_overhead_s) if not device.cpu_cores else 0.0
     return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=dw_s, recompute_s=rec, attention_fwd_s=attention_fwd,
                         gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op + hook,
                         host_bwd_s=ops_b * op + 2.0 * hook, host_rec_s=ops_r * op + (hook if ops_r else 0.0),
-                        wgrad_column_s=wgrad_column)
+                        wgrad_column_s=wgrad_column, sync_fwd_s=sync)
 
 
 def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float, split: int) -> tuple[float, float]:

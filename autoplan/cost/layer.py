@@ -95,12 +95,15 @@ def _with_host(times: ComputeTimes, recompute: Recompute, layer: Layer,
     max(device time, host time) (H. He, "Making Deep Learning Go Brrrr From First Principles", 2022:
     an overhead-bound model runs at the host's pace), a fully recomputed forward issuing its forward's
     ops again. Small layers at small microbatches are bound by it. `serial` (a CPU rank: the thread that
-    issues an op also computes it, torch's CPU kernels run synchronously): host and device times add."""
+    issues an op also computes it, torch's CPU kernels run synchronously): host and device times add.
+    The block's device-synchronising copies (times.sync_fwd_s) add to the forward and to a fully
+    recomputed forward after that: neither the host nor the device runs during them."""
     combine = (lambda a, b: a + b) if serial else max
     rec = times.recompute_s
     if recompute is Recompute.FULL and layer.role is LayerRole.BLOCK and rec:
-        rec = combine(rec, times.host_rec_s)
-    return combine(times.fwd_s, times.host_fwd_s), combine(times.bwd_s, times.host_bwd_s), rec
+        rec = combine(rec, times.host_rec_s) + times.sync_fwd_s
+    fwd = combine(times.fwd_s, times.host_fwd_s) + times.sync_fwd_s
+    return fwd, combine(times.bwd_s, times.host_bwd_s), rec
 
 
 def _host_total(times: ComputeTimes, recompute: Recompute, layer: Layer) -> float:

@@ -21,6 +21,7 @@ from autoplan.plan.engine import Engine
 
 if TYPE_CHECKING:
     from autoplan.cost.compute import BlockShape
+    from autoplan.plan.types import ParallelConfig
 
 
 # torchtitan's RMSNorm (torchtitan/models/norms.py RMSNorm, the norm_type "rmsnorm" default of
@@ -101,3 +102,59 @@ def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool,
         fwd += 2.0 * t_h * shape.h * (norm_f - 2.0 * d)
         bwd += 2.0 * t_h * shape.h * (norm_b - 3.0 * d)
     return PassBytes(fwd=fwd + attention, bwd=bwd, attention_fwd=attention)
+
+
+# Megatron's torch fallback for the fused scale-mask-softmax (megatron/model/fused_softmax.py,
+# FusedScaleMaskSoftmax.forward_torch_softmax, Megatron-DeepSpeed c08e2cc2), softmax in fp32 (CoreAttention
+# forces attention_softmax_in_fp32 under the default apply_query_key_layer_scaling): input.float(), input *
+# scale, mask_func's masked_fill_ (in place; the s x s bool mask is shared by the batch), torch Softmax,
+# probs.half(): bytes per score (d the training dtype's) 2 d + 28 against the fused kernel's read + write
+# 2 d; backward (the autograd of each: to d, softmax backward reading gradient and output, masked_fill,
+# mul, to fp32) 2 d + 36 against the fused backward's 3 d (read gradient and output, write). Host: five
+# ops (and a module call) for the fused kernel's one, four more in the backward.
+SOFTMAX_FALLBACK_FWD_BYTES = 28.0
+SOFTMAX_FALLBACK_BWD_BYTES = 36.0
+SOFTMAX_FALLBACK_FWD_OPS = 5
+SOFTMAX_FALLBACK_BWD_OPS = 4
+
+
+def fused_softmax_available(batch_heads: float, s_q: float, s_k: float, max_keys: int) -> bool:
+    """Megatron's FusedScaleMaskSoftmax.is_kernel_available (fused_softmax.py, causal mask): 16 < s_k <=
+    max_keys (the engine's fused_softmax_max_keys), s_q and s_k multiples of 4, b * np (`batch_heads`, the
+    microbatch times the heads on this tp rank) a multiple of 4 and of get_batch_per_block's batches per
+    128-thread block: (128 / warp) x (2 if next_pow2(s_k) <= 128 else 1), warp = min(next_pow2(s_k), 32)."""
+    if max_keys <= 0:
+        return True  # the engine's softmax has no such constraints
+    if not (16 < s_k <= max_keys and s_q % 4 == 0 and s_k % 4 == 0 and batch_heads % 4 == 0):
+        return False
+    pow2 = 1 << max(int(s_k) - 1, 0).bit_length()
+    per_block = (128 // min(pow2, 32)) * (2 if pow2 <= 128 else 1)
+    return batch_heads % per_block == 0
+
+
+def softmax_fallback_bytes(shape: BlockShape | None, batch_heads: float, s_q: float, s_k: float,
+                           dtype_bytes: int, engine: Engine) -> PassBytes:
+    """Extra traffic of Megatron's torch softmax fallback over its fused kernel when the engine materialises
+    the scores (attention 'unfused') and fused_softmax_available says no: batch_heads x s_q x s_k scores,
+    SOFTMAX_FALLBACK_FWD_BYTES forward (inside the attention core), SOFTMAX_FALLBACK_BWD_BYTES - d backward."""
+    if (shape is None or engine.attention != "unfused"
+            or fused_softmax_available(batch_heads, s_q, s_k, engine.fused_softmax_max_keys)):
+        return PassBytes()
+    scores = batch_heads * s_q * s_k
+    fwd = scores * SOFTMAX_FALLBACK_FWD_BYTES
+    return PassBytes(fwd=fwd, bwd=scores * (SOFTMAX_FALLBACK_BWD_BYTES - dtype_bytes), attention_fwd=fwd)
+
+
+def block_pass_bytes(shape: BlockShape | None, tokens: float, config: ParallelConfig, seq_len: int,
+                     dtype_bytes: int, engine: Engine, scores_materialised: bool) -> tuple[PassBytes, bool]:
+    """All of a block's engine passes (extra_pass_bytes, plus softmax_fallback_bytes when its scores are
+    materialised: config.microbatch x heads / tp score matrices of seq_len / cp x seq_len), and whether
+    the softmax fell back to torch."""
+    extra = extra_pass_bytes(shape, tokens, config.tp, config.sp, dtype_bytes, engine)
+    if shape is None or not scores_materialised:
+        return extra, False
+    fallback = softmax_fallback_bytes(shape, config.microbatch * shape.a / config.tp, seq_len / config.cp,
+                                      seq_len, dtype_bytes, engine)
+    return PassBytes(fwd=extra.fwd + fallback.fwd, bwd=extra.bwd + fallback.bwd,
+                     attention_fwd=extra.attention_fwd + fallback.attention_fwd), fallback.fwd > 0
+

@@ -94,3 +94,45 @@ def test_shipped_megatron_engines_carry_what_their_code_does() -> None:
     assert mds.separate_qkv_bias_add and mds.separate_fc2_bias_add  # fc2: no skip_bias_add (c08e2cc2)
     for engine in (lm, mds, Engine.load("deepspeed")):
         assert engine.bias_grad_reduction and engine.attention_layout_copies and engine.attention_grad_scale
+
+
+def test_megatron_fused_softmax_shape_rules() -> None:
+    """fused_softmax.py is_kernel_available, by hand: b * np a multiple of 4 (and of 4 batches per block
+    for s_k in (128, 4096]; 8 for s_k <= 128), 16 < s_k <= max_keys, no rules when max_keys is 0."""
+    from autoplan.cost.passes import fused_softmax_available as ok
+
+    assert ok(4, 1024, 1024, 4096) and ok(12, 2048, 2048, 4096) and ok(8, 128, 128, 4096)
+    assert not ok(2, 1024, 1024, 4096)  # tp 8, 16 heads, microbatch 1: 2 batches
+    assert not ok(6, 2048, 2048, 4096)  # 48 heads over tp 16, microbatch 2
+    assert not ok(4, 128, 128, 4096)  # s_k <= 128: 8 batches per block
+    assert not ok(4, 8192, 8192, 4096) and not ok(4, 16, 16, 4096)
+    assert ok(2, 1024, 1024, 0)
+
+
+@pytest.mark.parametrize("mb, falls_back", [(1, True), (2, False)])
+def test_softmax_fallback_adds_its_fp32_passes_and_ops(mb: int, falls_back: bool) -> None:
+    """tp 8, 16 heads: microbatch 1 leaves b * np = 2 (torch fallback), 2 gives 4 (fused). Hand: 2 * 1024^2
+    scores per microbatch, 28 extra bytes each forward, 36 - 2 backward; five extra host ops forward (and
+    in the recomputed forward), four backward."""
+    engine = dataclasses.replace(Engine.load("megatron-deepspeed"), fused_softmax_max_keys=4096)
+    rules_off = dataclasses.replace(engine, fused_softmax_max_keys=0)
+    s, h, t = 1024, 1024, 8
+    layer = gpt_graph(h=h, a=16, layers=1, seq=s).layers[1]
+    cluster = a100_cluster()
+    device = cluster.device
+
+    def times(e: Engine):
+        return layer_compute(layer, device, cluster.peak_flops, ParallelConfig(tp=t, microbatch=mb), Recompute.FULL,
+                             scale=float(mb), seq_len=s, graph_tokens=float(s), dtype_bytes=2,
+                             scores_materialised=True, engine=e)
+
+    a, b = times(rules_off), times(engine)
+    scores = (mb * 16 / t) * s * s if falls_back else 0.0
+    rate = device.mem_bw_bytes_per_s * device.mem_bw_efficiency
+    op = device.op_overhead_s
+    assert math.isclose(b.fwd_s - a.fwd_s, scores * 28 / rate, rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(b.attention_fwd_s - a.attention_fwd_s, scores * 28 / rate, rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(b.bwd_s - a.bwd_s, scores * 34 / rate, rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(b.host_fwd_s - a.host_fwd_s, 5 * op * falls_back, abs_tol=1e-15)
+    assert math.isclose(b.host_rec_s - a.host_rec_s, 5 * op * falls_back, abs_tol=1e-15)
+    assert math.isclose(b.host_bwd_s - a.host_bwd_s, 4 * op * falls_back, abs_tol=1e-15)
