@@ -17,7 +17,7 @@ from graphs import gpt_graph, llama_graph
 
 from autoplan.cluster.load import Cluster
 from autoplan.cost import estimate_config
-from autoplan.graph.types import LayerGraph
+from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import Estimate, ParallelConfig
 
@@ -56,6 +56,25 @@ def graph_of(model: dict) -> LayerGraph:
                        layers=model["layers"], seq=model["seq_len"], vocab=model["vocab"])
 
 
+def ends_alone_stages(graph: LayerGraph, num_stages: int) -> tuple[tuple[str, ...], ...]:
+    """Llama 3's pipeline layout (Dubey et al. 2024, section 3.3.2: "we reduce one Transformer layer each
+    from the first and the last stages ... the first model chunk on the first stage has only the embedding,
+    and the last model chunk on the last stage has only output projection and loss calculation"): the
+    layers before the first block alone in the first stage, those after the last block alone in the last,
+    the blocks split evenly (in order, the first stages taking any remainder) over the stages between."""
+    names = [layer.name for layer in graph.layers]
+    blocks = [i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK]
+    base, extra = divmod(len(blocks), num_stages - 2)
+    stages, start = [tuple(names[:blocks[0]])], blocks[0]
+    for q in range(num_stages - 2):
+        count = base + (1 if q < extra else 0)
+        end = blocks[blocks.index(start) + count] if q < num_stages - 3 else blocks[-1] + 1
+        stages.append(tuple(names[start:end]))
+        start = end
+    stages.append(tuple(names[blocks[-1] + 1:]))
+    return tuple(stages)
+
+
 def engine_of(rec: dict) -> Engine:
     return dataclasses.replace(Engine.load(rec["engine"]), **rec.get("engine_overrides", {}))
 
@@ -73,8 +92,11 @@ def predict(rec: dict) -> Result:
         # layers.1, layers.3, ..., in a full checkpoint and returns the others unwrapped): every second
         # block fully recomputed, the others recompute nothing
         overrides = {b.name: ("full" if i % 2 == 1 else "none") for i, b in enumerate(graph.blocks)}
+    stages = None
+    if rec.get("stage_layout") == "ends_alone":
+        stages = ends_alone_stages(graph, config.pp * config.virtual_stages)
     est = estimate_config(graph, cluster, config, global_batch=rec["global_batch"], engine=engine_of(rec),
-                          layer_recompute=overrides)
+                          layer_recompute=overrides, stages=stages)
     measured = rec["measured"]
     if "tflops_per_gpu_with_recompute" in measured:
         flops = megatron_flops(B=rec["global_batch"], s=model["seq_len"], l=model["layers"], h=model["hidden"],

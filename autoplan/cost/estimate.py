@@ -96,7 +96,7 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     engine = engine or Engine()
     if not overlap_dp and engine.dp_comm_overlap:
         engine = dataclasses.replace(engine, dp_comm_overlap=False)
-    m = check_config(graph, cluster, config, global_batch)
+    m = check_config(graph, cluster, config, global_batch, explicit_stages=stages is not None)
     p, v = config.pp, config.virtual_stages
     views = rank_clusters(cluster, config)  # each pipeline rank's own node group when heterogeneous
     stages = (default_split(graph, cluster, config, global_batch) if stages is None

@@ -69,7 +69,7 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
     tp_fwd, tp_total = _tp_comm_s(layer, shape, cluster, config, recompute, hidden_bytes, scale * ratio,
                                   times, engine)
     cp_fwd, cp_total = _cp_comm_s(shape, cluster, config, recompute, tokens * config.cp, dbytes,
-                                  times.attention_fwd_s)
+                                  times.attention_fwd_s, engine)
     ep_fwd, ep_total = _ep_comm_s(shape, cluster, config, recompute, tokens, dbytes)
     fwd_s, bwd_s, rec_s = _with_host(times, recompute, layer, serial=bool(cluster.device.cpu_cores))
     return LayerCost(
@@ -167,12 +167,21 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
 
 
 def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute,
-               seq_tokens: float, dbytes: int, attention_fwd_s: float) -> tuple[float, float]:
-    """Context parallelism (Megatron-core CP / ring attention, Liu et al. 2023): forward all-gathers
-    K and V of the whole sequence for this tp rank's kv heads, S = 2 b s h g / (a t) elements,
-    overlapped with the attention core; backward gathers them again and reduce-scatters dK, dV (2 S),
-    overlapped with the attention backward (2 x forward). Exposed: what the attention does not hide.
-    Full recompute repeats the forward exchange. Returns (forward part, total).
+               seq_tokens: float, dbytes: int, attention_fwd_s: float, engine: Engine) -> tuple[float, float]:
+    """Context parallelism: forward all-gathers K and V of the whole sequence for this tp rank's kv heads,
+    S = 2 b s h g / (a t) elements; backward gathers them again (unless engine.cp_saves_gathered_kv kept
+    them) and reduce-scatters dK, dV (2 S). Full recompute repeats the forward exchange; selective
+    recompute re-gathers inside the recomputed core when the gathered K / V were not kept.
+    Returns (forward part, total).
+
+    engine.cp_comm_overlap (Megatron-core CP / ring attention, Liu et al. 2023: TE AttnFuncWithCPAndKVP2P
+    sends the next K / V block while the current one's attention runs): the exchange hides behind the
+    attention core (forward 1 x, backward 2 x the forward core time); exposed is what the core does not
+    hide. Without it the K / V are all-gathered before the core and dK / dV reduce-scattered after it, on
+    the critical path in full: Llama 3's CP ("we first all-gather the key (K) and value (V) tensors, and
+    then compute attention output for the local query (Q) tensor chunk ... the all-gather communication
+    latency is exposed in the critical path", Dubey et al. 2024, section 3.3.2) and autoplan's executor
+    (execute/context.py: a functional all-gather waited on before the attention core).
 
     Load balance: attention FLOPs split evenly over cp, as in the load-balanced split of the published
     runtimes (rank i holds chunks i and 2cp-1-i of 2cp: Megatron-core CP; Llama 3, Dubey et al. 2024,
@@ -183,9 +192,14 @@ def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelC
     group = comm.group_placement(config, ("cp",), cluster.devices_per_node)
     kv_bytes = 2.0 * seq_tokens * shape.h * shape.g / shape.a / config.tp * dbytes
     gather = comm.all_gather_s(kv_bytes, group, cluster)
-    fwd = max(gather - attention_fwd_s, 0.0)
-    bwd = max(2.0 * gather - 2.0 * attention_fwd_s, 0.0)
-    return fwd, fwd + bwd + (fwd if recompute is Recompute.FULL else 0.0)
+    if engine.cp_comm_overlap:
+        fwd = max(gather - attention_fwd_s, 0.0)
+        bwd = max(2.0 * gather - 2.0 * attention_fwd_s, 0.0)
+        return fwd, fwd + bwd + (fwd if recompute is Recompute.FULL else 0.0)
+    regather = 0.0 if engine.cp_saves_gathered_kv else gather
+    bwd = regather + comm.reduce_scatter_s(kv_bytes, group, cluster)
+    again = recompute is Recompute.FULL or (recompute is Recompute.SELECTIVE and not engine.cp_saves_gathered_kv)
+    return gather, gather + bwd + (gather if again else 0.0)
 
 
 def _ep_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute,

@@ -233,19 +233,35 @@ def zero3_working_bytes(rank: Any, layout: ZeroLayout, engine: Engine, dtype: st
     return rank.max_layer_params * (2.0 * w + w + (wire_bytes if wire_bytes != w else 0.0))
 
 
+def zero2_reduce_bytes(rank: Any, layout: ZeroLayout, engine: Engine, dtype: str, wire_bytes: float) -> float:
+    """The gradient buffers of the layer being reduced when gradients are sharded but the weights are not
+    and the reduction runs every microbatch (ZeRO-2: FSDP2 fully_shard(reshard_after_forward=False) with
+    gradient sync on, FSDP1 SHARD_GRAD_OP, Llama 3's FSDP "shards optimizer states and gradients", Dubey
+    et al. 2024, section 3.3.2): the sharded gradients are all that stays, but each layer's backward first
+    writes its unsharded gradients (training dtype) and foreach_reduce copies them into a reduce-scatter
+    input in the reduce dtype (torch.distributed.fsdp _fsdp_collectives.py foreach_reduce), for the
+    largest layer: the same two buffers zero3_working_bytes counts for ZeRO-3 beside its gathered weights."""
+    if not layout.shards_gradients or layout.shards_weights or not layout.reduce_every_microbatch:
+        return 0.0
+    w, _, _ = state_bytes_per_param(dtype, engine)
+    return rank.max_layer_params * (w + (wire_bytes if wire_bytes != w else 0.0))
+
+
 def rank_memory(rank: Any, index: int, cluster: ClusterSpec, config: ParallelConfig, m: int, *,
                 layout: ZeroLayout, engine: Engine, groups: Any, deepspeed: bool) -> MemoryBreakdown:
     """Peak bytes on pipeline rank `index`: model states (model_state_bytes under the engine's ZeRO
     layout), ZeRO-3's working set (zero3_working_bytes), activations held for in-flight microbatches
     (pipeline.in_flight_microbatches) plus one layer's backward working set (the re-materialised
     activations under recompute), NCCL's buffers (nccl_buffer_bytes) and the profile's runtime reserve
-    (CUDA context, library workspaces, allocator fragmentation)."""
+    (CUDA context, library workspaces, allocator fragmentation); ZeRO-2's reduce buffers
+    (zero2_reduce_bytes) count with the gradients."""
     from autoplan.cost.dataparallel import grad_wire_bytes
 
     weights, grads, optimizer = model_state_bytes(rank.dense_params, rank.expert_params, config, layout=layout,
                                                   dtype=cluster.dtype, engine=engine)
     wire = grad_wire_bytes(cluster.dtype, engine)
     weights += zero3_working_bytes(rank, layout, engine, cluster.dtype, wire, deepspeed)
+    grads += zero2_reduce_bytes(rank, layout, engine, cluster.dtype, wire)
     in_flight = in_flight_microbatches(config.schedule, config.pp, config.virtual_stages, m, index)
     acts = rank.act_bytes * in_flight + rank.work_bytes
     reserve = cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster)
@@ -263,7 +279,7 @@ def layer_state_bytes(cost: Any, config: ParallelConfig, *, dtype: str, engine: 
 def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_layer_params: float,
                        max_param_numel: float, engine: Engine | None = None) -> float:
     """What every rank holds beyond its layers' states and activations: the runtime reserve, NCCL's
-    buffers and ZeRO-3's working set (rank_memory's other terms, for a rank whose largest layer has
+    buffers, ZeRO-2's reduce buffers (zero2_reduce_bytes) and ZeRO-3's working set (rank_memory's other terms, for a rank whose largest layer has
     max_layer_params parameters and largest weight max_param_numel)."""
     from autoplan.cost.dataparallel import grad_wire_bytes
 
@@ -271,7 +287,9 @@ def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_laye
     layout = zero_layout(config, 1, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
     deepspeed = config.zero == 3 and engine.zero3 == "deepspeed" and config.dp * config.ep * config.cp > 1
     rank = _Largest(max_layer_params=max_layer_params, max_param_numel=max_param_numel)
-    working = zero3_working_bytes(rank, layout, engine, cluster.dtype, grad_wire_bytes(cluster.dtype, engine), deepspeed)
+    wire = grad_wire_bytes(cluster.dtype, engine)
+    working = (zero3_working_bytes(rank, layout, engine, cluster.dtype, wire, deepspeed)
+               + zero2_reduce_bytes(rank, layout, engine, cluster.dtype, wire))
     return cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster) + working
 
 

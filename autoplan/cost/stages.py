@@ -9,14 +9,20 @@ from autoplan.plan.layout import default_stages
 from autoplan.plan.types import ParallelConfig
 
 
-def check_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, global_batch: int) -> int:
+def check_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, global_batch: int, *,
+                 explicit_stages: bool = False) -> int:
     """Raise ValueError (one line, with the numbers) for a config that cannot run; return the number of
-    microbatches per pipeline per step. Memory is not checked here (estimates say fits=False)."""
+    microbatches per pipeline per step. Memory is not checked here (estimates say fits=False).
+    `explicit_stages`: the caller gives its own split (check_stages then asks only for non-empty stages),
+    so pp * virtual_stages may exceed the blocks: a stage may hold only the embedding or the head, as in
+    Llama 3's layout (Dubey et al. 2024, section 3.3.2: "the first model chunk on the first stage has only
+    the embedding, and the last model chunk on the last stage has only output projection and loss")."""
     if config.num_devices != cluster.num_devices:
         raise ValueError(f"config uses pp*dp*ep*cp*tp = {config.num_devices} devices but cluster "
                          f"{cluster.name!r} has {cluster.num_devices}: make the product {cluster.num_devices}")
     m = config.num_microbatches(global_batch)
-    errors = graph.divisibility_errors(config)  # the rules' one home: plan.layout.divisibility_errors
+    sizes = tuple({**k, "num_blocks": None} for k in graph.divisibility_sizes()) if explicit_stages else None
+    errors = graph.divisibility_errors(config, sizes=sizes)  # the rules' one home: plan.layout.divisibility_errors
     if errors:
         raise ValueError(errors[0])
     return m

@@ -287,7 +287,8 @@ def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
 
 
 def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes):
-    """cost.memory.rank_memory term by term: model states under the layout, ZeRO-3's working set,
+    """cost.memory.rank_memory term by term: model states under the layout, ZeRO-3's working set and
+    ZeRO-2's reduce buffers (cost.memory.zero2_reduce_bytes),
     activations x in-flight microbatches + the working set, runtime reserve + NCCL buffers."""
     dense_n = (c["dp"] * c["ep"] * c["cp"])[:, None]
     expert_n = expert_dp_degree(c)[:, None]
@@ -301,6 +302,8 @@ def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspee
     fsdp = extra["max_params"] * (3.0 * w + (wire if wire != w else 0.0))
     ds = (3.0 * extra["max_numel"][:, None] + 2.0 * engine.zero3_reduce_bucket_numel) * w + 0.0 * fsdp
     working = np.where(deepspeed[:, None], ds, np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0))
+    zero2 = ((lay["shards_gradients"] > 0) & (lay["shards_weights"] == 0) & (lay["reduce_every_microbatch"] > 0))
+    working = working + np.where(zero2[:, None], extra["max_params"] * (w + (wire if wire != w else 0.0)), 0.0)
     acts = f["act"] * inflight(c["schedule"], pp, v, m) + extra["work"]
     nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster))
     reserve = cluster.device.runtime_reserve_bytes + nccl
