@@ -25,9 +25,12 @@ def group_placement(config: ParallelConfig, axes: tuple[str, ...], devices_per_n
     of size n and stride s lies inside one node iff n * s <= devices_per_node and the node size is a
     multiple of n * s; otherwise it spans nodes, and `per_node` is the fewest members any spanned node
     holds (a partial span counts as crossing, with its worst node as the bottleneck)."""
-    sizes = tuple(getattr(config, axis.value) for axis in MESH_AXIS_ORDER)
-    wanted = tuple(axis.value in axes for axis in MESH_AXIS_ORDER)
+    sizes = tuple(getattr(config, name) for name in _AXIS_NAMES)
+    wanted = tuple(name in axes for name in _AXIS_NAMES)
     return _placement(sizes, wanted, devices_per_node)
+
+
+_AXIS_NAMES = tuple(axis.value for axis in MESH_AXIS_ORDER)  # read once: an Enum's .value is a slow descriptor
 
 
 @lru_cache(maxsize=4096)

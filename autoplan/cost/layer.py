@@ -38,7 +38,12 @@ def estimate_layer(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, r
     autoplan's executor) says how the layer's kernels run (autoplan.plan.engine.Engine)."""
     if isinstance(recompute, str) and not isinstance(recompute, Recompute):
         recompute = Recompute(recompute)
-    return _layer_cost(layer, cluster, config, Recompute(recompute), seq_len, graph_microbatch, engine or Engine())
+    return _layer_cost(layer, cluster, config, Recompute(recompute), seq_len, graph_microbatch, engine or _default_engine())
+
+
+@lru_cache(maxsize=1)
+def _default_engine() -> Engine:
+    return Engine()  # frozen: one instance serves every call without an engine
 
 
 @lru_cache(maxsize=65536)
