@@ -62,7 +62,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
     of every candidate) and "exact" (the exactly estimated, fitting ones), for a Pareto plot."""
     cost = MemoCost(cost_model or importlib.import_module("autoplan.cost"))  # each exact estimate made once
     options, restricted = token_free_restriction(graph, options)
-    with _status(options.progress) as status, _frozen_heap():
+    with _status(options.progress) as status, _frozen_heap(), _small_pages():
         status(f"enumerating configurations for {cluster.num_devices} devices")
         space = enumerate_space(graph, cluster, options)
         if not len(space):
@@ -186,6 +186,27 @@ def _frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def _small_pages() -> Iterator[None]:
+    """numpy's madvise(MADV_HUGEPAGE) on its large arrays off while the search runs, as it was after. Where the
+    kernel's transparent-hugepage defrag is "madvise" (a common default; /sys/kernel/mm/transparent_hugepage/
+    defrag), each new madvised region waits for direct compaction: on this 2-core VM a fresh 249 MB array took
+    1.4-3 s instead of 0.1 s, and the search of deepseek-v3 allocates several (its candidate table, layer
+    table and cumulative sums). numpy documents the switch (NUMPY_MADVISE_HUGEPAGE=0, "Global state",
+    numpy.org/doc; numpy 1.20 release notes); the search's arrays live for seconds, too short to gain from
+    huge pages. A numpy without the private setter is left as it is."""
+    core = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1
+    setter = getattr(core.multiarray, "_set_madvise_hugepage", None)
+    if setter is None:
+        yield
+        return
+    was = setter(False)
+    try:
+        yield
+    finally:
+        setter(was)
 
 
 def _halves(items: list) -> list[list]:

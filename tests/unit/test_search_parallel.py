@@ -92,3 +92,20 @@ def test_a_capture_pauses_the_collector_and_restores_it() -> None:
         assert not gc.isenabled()  # a caller's choice is kept
     finally:
         gc.enable()
+
+
+def test_the_search_turns_numpy_huge_pages_off_and_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    """numpy's madvise hugepage is off while the search runs (its arrays live for seconds; where the kernel's
+    THP defrag is 'madvise' every new one waits for compaction) and as the caller had it afterwards."""
+    core = getattr(np, "_core", None) or np.core
+    get, set_ = core.multiarray._get_madvise_hugepage, core.multiarray._set_madvise_hugepage
+    seen = []
+    real = search_module.enumerate_space
+    monkeypatch.setattr(search_module, "enumerate_space", lambda *a: seen.append(get()) or real(*a))
+    graph, cluster = gpt_graph(h=256, a=4, layers=4, seq=64, vocab=512), a100_cluster(1)
+    before = set_(True)
+    try:
+        search_module.search(graph, cluster, SearchOptions(global_batch=8, top_k=1))
+        assert seen == [False] and get() is True
+    finally:
+        set_(before)
