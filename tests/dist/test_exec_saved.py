@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch._dynamo  # (DTensor imports it on first use: ~5 s per forked rank unless done here)
+from autograd_saved import saved_tensors
 from harness import run_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -30,24 +31,7 @@ def _storage(t: torch.Tensor) -> int:
 
 def _saved(out: torch.Tensor, params: set[int]) -> list[tuple[object, str, torch.Tensor]]:
     """(node, attribute, tensor) of every tensor the autograd graph behind `out` saved, parameters left out."""
-    rows, seen, stack = [], set(), [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for name in dir(node):
-            if not name.startswith("_saved_"):
-                continue
-            try:
-                value = getattr(node, name)
-            except (RuntimeError, AttributeError):
-                continue
-            for t in value if isinstance(value, (tuple, list)) else [value]:
-                if isinstance(t, torch.Tensor) and _storage(t) not in params:
-                    rows.append((node, name, _local(t)))
-        stack.extend(nxt for nxt, _ in node.next_functions)
-    return rows
+    return [(node, name, _local(t)) for node, name, t in saved_tensors(out) if _storage(t) not in params]
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:

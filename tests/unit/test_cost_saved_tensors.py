@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from autograd_saved import saved_tensors
 
 from autoplan.cost.compute import BlockShape
 from autoplan.cost.memory import block_activation_bytes
@@ -27,23 +28,8 @@ def _saved_bytes(model: torch.nn.Module, x: torch.Tensor) -> int:
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     out = model.layers["0"](x)
     out = out[0] if isinstance(out, tuple) else out
-    storages: dict[int, int] = {}
-    seen, stack = set(), [out.grad_fn]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        for name in dir(node):
-            if name.startswith("_saved_"):
-                try:
-                    value = getattr(node, name)
-                except (RuntimeError, AttributeError):
-                    continue
-                for t in value if isinstance(value, (tuple, list)) else [value]:
-                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in params:
-                        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        stack.extend(nxt for nxt, _ in node.next_functions)
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for _, _, t in saved_tensors(out)
+                if t.untyped_storage().data_ptr() not in params}
     return sum(storages.values())
 
 
