@@ -19,6 +19,7 @@ from autoplan.cluster.load import Cluster
 from autoplan.cost import estimate_config
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
+from autoplan.plan.layout import split_by_counts
 from autoplan.plan.types import Estimate, ParallelConfig
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -62,17 +63,10 @@ def ends_alone_stages(graph: LayerGraph, num_stages: int) -> tuple[tuple[str, ..
     and the last model chunk on the last stage has only output projection and loss calculation"): the
     layers before the first block alone in the first stage, those after the last block alone in the last,
     the blocks split evenly (in order, the first stages taking any remainder) over the stages between."""
-    names = [layer.name for layer in graph.layers]
-    blocks = [i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK]
-    base, extra = divmod(len(blocks), num_stages - 2)
-    stages, start = [tuple(names[:blocks[0]])], blocks[0]
-    for q in range(num_stages - 2):
-        count = base + (1 if q < extra else 0)
-        end = blocks[blocks.index(start) + count] if q < num_stages - 3 else blocks[-1] + 1
-        stages.append(tuple(names[start:end]))
-        start = end
-    stages.append(tuple(names[blocks[-1] + 1:]))
-    return tuple(stages)
+    base, extra = divmod(len(graph.blocks), num_stages - 2)
+    middle = [base + (1 if q < extra else 0) for q in range(num_stages - 2)]
+    return split_by_counts([layer.name for layer in graph.layers],
+                           [layer.role is LayerRole.BLOCK for layer in graph.layers], [0, *middle, 0])
 
 
 def engine_of(rec: dict) -> Engine:

@@ -101,8 +101,8 @@ def split_by_counts(layer_names: Sequence[str], is_block: Sequence[bool],
         return (tuple(names),) + ((),) * (n - 1) if n > 1 else (tuple(names),)
     cuts, total = [], 0
     for c in counts[:-1]:
-        total += c
-        cuts.append(block_idx[total])
+        total += c  # a cut before block `total`; after the last block when the stages after it hold none
+        cuts.append(block_idx[total] if total < len(block_idx) else block_idx[-1] + 1)
     bounds = [0, *cuts, len(names)]
     return tuple(tuple(names[bounds[k]:bounds[k + 1]]) for k in range(n))
 

@@ -9,7 +9,7 @@ import pytest
 import torch.distributed.pipelining.schedules as torch_schedules
 from test_cost_graph_helper import a100_cluster, gpt_graph
 
-from autoplan.plan.layout import schedule_errors
+from autoplan.plan.layout import schedule_errors, split_by_counts
 from autoplan.plan.types import ParallelConfig
 from autoplan.search.space import SCHEDULES, SearchOptions, enumerate_space
 
@@ -70,3 +70,12 @@ def test_search_space_holds_only_runnable_schedules() -> None:
     one_f = SCHEDULES.index(ParallelConfig(schedule="1f1b").schedule)
     rows = (c["pp"] == 4) & (c["schedule"] == one_f)
     assert all(12 // (c["dp"][rows] * c["ep"][rows] * c["microbatch"][rows]) >= 4)
+
+
+def test_split_by_counts_with_stages_that_hold_no_block() -> None:
+    """Llama 3's layout: the embedding alone in the first stage, the head alone in the last (counts 0 at both
+    ends), the blocks between; by hand for emb, b0..b3, norm, head."""
+    names = ["emb", "b0", "b1", "b2", "b3", "norm", "head"]
+    flags = [n.startswith("b") for n in names]
+    assert split_by_counts(names, flags, [0, 3, 1, 0]) == (("emb",), ("b0", "b1", "b2"), ("b3",), ("norm", "head"))
+    assert split_by_counts(names, flags, [2, 2]) == (("emb", "b0", "b1"), ("b2", "b3", "norm", "head"))
