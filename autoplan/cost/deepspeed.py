@@ -8,7 +8,12 @@
   zero3_sync_per_module, synchronizes the device: the host cannot run ahead, so each sub-module's host
   time adds to its kernels'); prefetch_next_sub_modules queues the next parameters, only when nothing is
   in flight and fewer than zero3_max_live_numel elements are gathered (stage3_max_live_parameters), up
-  to zero3_prefetch_numel elements: at most one sub-module of prefetch (param_gather_overlap);
+  to zero3_prefetch_numel elements: at most one sub-module of prefetch (param_gather_overlap). The
+  code's get_params_to_prefetch appends the following sub-modules' parameters until zero3_prefetch_numel is
+  reached (at least one): one sub-module when the next parameter alone reaches it, several for smaller
+  ones; _simulate issues the next sub-module's only, so Engine.zero3_prefetch_numel is not read (moot for
+  the 2021 engine, whose misaligned trace prefetches nothing; an under-prefetch for aligned engines whose
+  weights are under 5e7 elements);
 - release_sub_module re-partitions a parameter after use unless it is needed again within
   zero3_max_reuse_numel elements (_keep_for_later): the recomputed forward and the backward gather again;
 - both look the sub-module up in the trace recorded in the first step (PrefetchCoordinator
