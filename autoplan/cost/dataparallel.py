@@ -306,8 +306,27 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     rank.fwd += fwd - base_f
     rank.bwd += bwd - base_b + penalty
     rank.dp += exposed + penalty
-    if engine.zero3_regather_persistent:  # once per step, after the optimizer (stage3.py _post_step)
-        small = [x for c, layer in zip(rank.costs, rank.layers) for x in layer_small_numels(layer, c, graph, config)
+    rank.param_gather += deepspeed_step_s(rank, graph, cluster, config, engine, groups)
+
+
+def deepspeed_step_s(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, engine: Engine,
+                     groups: DpGroups) -> float:
+    """DeepSpeed stage 3's once-per-step host work around the optimizer on this rank: with
+    zero3_serial_grad_checks the overflow check and gradient norm one parameter tensor at a time
+    (deepspeed.serial_grad_checks over the rank's weight matrices and small parameters, as layer_numels and
+    layer_small_numels count them) and their two one-element all-reduces; with zero3_regather_persistent
+    the re-gather of the persistent parameters (deepspeed.persistent_regather)."""
+    w, _, _ = state_bytes_per_param(cluster.dtype, engine)
+    n, op, total = groups.dense.size, cluster.device.op_overhead_s, 0.0
+    pairs = list(zip(rank.costs, rank.layers))
+    if engine.zero3_serial_grad_checks:  # stage3.py step, before the optimizer
+        count = sum(1 for c, x in pairs for k in (*layer_numels(x, c, graph, config),
+                                                   *layer_small_numels(x, c, graph, config)) if k > 0)
+        ops, messages = ds.serial_grad_checks(count)
+        total += ops * op + sum(comm.all_reduce_s(b, groups.dense, cluster) for b in messages)
+    if engine.zero3_regather_persistent:  # after the optimizer (stage3.py _post_step)
+        small = [x for c, layer in pairs for x in layer_small_numels(layer, c, graph, config)
                  if x < engine.zero3_persistence_numel]
         ops, elements = ds.persistent_regather(small, n)
-        rank.param_gather += ops * op + comm.all_gather_s(elements * w, groups.dense, cluster)
+        total += ops * op + comm.all_gather_s(elements * w, groups.dense, cluster)
+    return total

@@ -8,7 +8,12 @@
   zero3_sync_per_module, synchronizes the device: the host cannot run ahead, so each sub-module's host
   time adds to its kernels'); prefetch_next_sub_modules queues the next parameters, only when nothing is
   in flight and fewer than zero3_max_live_numel elements are gathered (stage3_max_live_parameters), up
-  to zero3_prefetch_numel elements: at most one sub-module of prefetch (param_gather_overlap);
+  to zero3_prefetch_numel elements: at most one sub-module of prefetch (param_gather_overlap). The
+  code's get_params_to_prefetch appends the following sub-modules' parameters until zero3_prefetch_numel is
+  reached (at least one): one sub-module when the next parameter alone reaches it, several for smaller
+  ones; _simulate issues the next sub-module's only, so Engine.zero3_prefetch_numel is not read (moot for
+  the 2021 engine, whose misaligned trace prefetches nothing; an under-prefetch for aligned engines whose
+  weights are under 5e7 elements);
 - release_sub_module re-partitions a parameter after use unless it is needed again within
   zero3_max_reuse_numel elements (_keep_for_later): the recomputed forward and the backward gather again;
 - both look the sub-module up in the trace recorded in the first step (PrefetchCoordinator
@@ -37,6 +42,8 @@
   prefetch_next, then the forward), so those ops delay the compute. The gathered parameter is first
   zero-filled (torch.zeros(aligned_param_size)) and copied out once: three passes over its bytes on the
   communication stream;
+- with zero3_serial_grad_checks, the step first checks every gradient partition for overflow and sums
+  their norms one parameter at a time, reading each result on the host (serial_grad_checks);
 - with zero3_regather_persistent, the step ends by gathering the persistent parameters again
   (persistent_regather: stage3.py _post_step after _partition_all_parameters released them at the end of
   the backward), a host loop over the ranks per parameter.
@@ -77,6 +84,18 @@ REGATHER_OPS_PER_PARAM = 3.0
 # the first ~1000, then each waits for a queued kernel to finish). The copy-outs of a list all-gather queue
 # behind the gather on its stream, so past this many the host launches them only as the gather ends.
 PENDING_LAUNCHES = 1000
+# stage3.py step (v0.3.13-v0.5.x), per gradient partition (averaged_gradients: one per parameter tensor of
+# the rank), in eager ops: has_overflow_partitioned_grads_serial -> _has_inf_or_nan `float(x.float().sum())`
+# (a cast, a sum, the scalar read), then get_grad_norm_direct `g.data.double().norm(2)` and
+# `param_norm.item()` (a cast, a norm, the scalar read). Each read (aten _local_scalar_dense: a device-to-host
+# copy the host waits for) is counted as one eager op: the kernels before it are single-partition
+# reductions, microseconds each.
+GRAD_CHECK_OPS_PER_PARAM = 6.0
+# ... and after each of the two loops one all-reduce of a one-element tensor over the data-parallel group,
+# read back with `.item()`: has_overflow `torch.cuda.ByteTensor([overflow])` (ReduceOp.MAX, 1 byte),
+# get_grad_norm_direct `torch.cuda.FloatTensor([float(total_norm)])` (ReduceOp.SUM, 4 bytes).
+GRAD_CHECK_MESSAGES = (1.0, 4.0)
+GRAD_CHECK_READS = 2.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -304,9 +323,25 @@ def persistent_regather(numels: Sequence[float], n: int) -> tuple[float, float]:
     moves n x the summed partitions."""
     if n <= 1 or not numels:
         return 0.0, 0.0
-    ops, parts = float(GATHER_OPS_PER_RANK * n), 0.0
+    ops, parts = regather_list_ops(n), 0.0
     for numel in numels:
         part = math.ceil(numel / n)
         ops += REGATHER_OPS_PER_PARAM + REGATHER_OPS_PER_RANK * math.ceil(numel / part)
         parts += part
     return ops, parts * n
+
+
+def serial_grad_checks(param_count: int) -> tuple[float, tuple[float, ...]]:
+    """(host ops, bytes of each all-reduce) of stage3.py step's overflow check and gradient norm over a
+    rank's `param_count` gradient partitions (zero3_serial_grad_checks): GRAD_CHECK_OPS_PER_PARAM each,
+    then after each of the two loops one all-reduce of a single element over the data-parallel group
+    (GRAD_CHECK_MESSAGES), each read back with `.item()` (GRAD_CHECK_READS)."""
+    if param_count <= 0:
+        return 0.0, ()
+    return GRAD_CHECK_OPS_PER_PARAM * param_count + GRAD_CHECK_READS, GRAD_CHECK_MESSAGES
+
+
+def regather_list_ops(n: int) -> float:
+    """The host ops of persistent_regather's one list all-gather over n ranks, whatever it gathers: the
+    n output views and copies (GATHER_OPS_PER_RANK per rank)."""
+    return float(GATHER_OPS_PER_RANK * n) if n > 1 else 0.0

@@ -164,9 +164,8 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     pipe = _pipeline(x, f["bwd_weight"], c, m, v)
     step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
                              dense, expert, wire, w, cluster, copy_in) + _optimizer(f, c, lay, cluster, engine)
-    if engine.zero3_regather_persistent and "regather_ops" in extra:  # deepspeed.persistent_regather per step
-        step = step + np.where(deepspeed, (extra["regather_ops"][:, None] * layers).max(axis=1)
-                               * cluster.device.op_overhead_s, 0.0)
+    if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
+        step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
     mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return step, mem, acts
 
@@ -195,6 +194,20 @@ def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster,
     rs = collective_s("rs", sizes, ("dp", "ep", "cp"), one, cluster)
     ar = collective_s("ar", sizes, ("dp", "ep", "cp"), one, cluster)
     return np.where(lay["reduce_scatter"][:, None] > 0, rs, ar) * buckets
+
+
+def _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine) -> np.ndarray:
+    """DeepSpeed stage 3's once-per-step host work (surrogate._deepspeed_step_terms) on the most loaded
+    rank: its host ops, the persistent re-gather's all-gather and, with zero3_serial_grad_checks, the two
+    one-element all-reduces (cost.deepspeed.GRAD_CHECK_MESSAGES)."""
+    ops = extra["ds_fixed_ops"][:, None] + extra["ds_layer_ops"][:, None] * layers
+    gather = collective_s("ag", sizes, dense_axes, extra["ds_layer_elements"][:, None] * layers * w, cluster)
+    out = (ops * cluster.device.op_overhead_s + gather).max(axis=1)
+    if engine.zero3_serial_grad_checks:
+        for nbytes in ds.GRAD_CHECK_MESSAGES:
+            out = out + np.where(extra["ds_fixed_ops"] > 0, collective_s(
+                "ar", sizes, dense_axes, np.full(len(out), nbytes), cluster), 0.0)
+    return out
 
 
 def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac):

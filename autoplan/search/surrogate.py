@@ -154,15 +154,16 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
         shape = _shape_tables(graph, space.config(int(idx[0])), table, cum, keys, cost)
         order = np.argsort(inverse.reshape(-1), kind="stable")  # the rows of each key together
-        regather = (_regather_ops(graph, cluster, c, idx, cost, engine)
-                    if engine.zero3 == "deepspeed" and engine.zero3_regather_persistent else None)
+        per_step = (_deepspeed_step_terms(graph, cluster, c, idx, cost, engine)
+                    if engine.zero3 == "deepspeed" and (engine.zero3_regather_persistent
+                                                        or engine.zero3_serial_grad_checks) else None)
         for part in _chunks(inverse.reshape(-1)[order], max(CHUNK // pp, 64)):
             rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
             extra = {"hops": np.broadcast_to(shape["hops"], (len(rows), pp)), "out_bytes": shape["out_bytes"][key],
                      "max_numel": max_numel[rows], "max_params": shape["max_params"][key],
                      "work": shape["work"][key]}
-            if regather is not None:
-                extra["regather_ops"] = regather[order[part]]
+            if per_step is not None:
+                extra.update({k: a[order[part]] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key] for i, name in enumerate(FIELDS)}
             cols = {k: col[rows] for k, col in c.items()}
             # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
@@ -238,24 +239,36 @@ def _per_rank(per_stage: np.ndarray, placement: np.ndarray, ranks: tuple[int, ..
     return out
 
 
-def _regather_ops(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, np.ndarray], idx: np.ndarray, cost: Any,
-                  engine: Engine) -> np.ndarray:
-    """Host ops per layer of DeepSpeed's per-step re-gather of the persistent parameters
-    (cost.deepspeed.persistent_regather over one block's small parameters, cost.dataparallel.
-    layer_small_numels), per candidate: each distinct (tp, data-parallel size) priced once."""
-    from autoplan.cost.dataparallel import layer_small_numels
-    from autoplan.cost.deepspeed import persistent_regather
+def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, np.ndarray], idx: np.ndarray,
+                          cost: Any, engine: Engine) -> dict[str, np.ndarray]:
+    """cost.dataparallel.deepspeed_step_s per candidate, as host ops once per step (ds_fixed_ops) and per
+    layer (ds_layer_ops) and the elements the persistent re-gather gathers per layer (ds_layer_elements),
+    from one block (cost.dataparallel.layer_numels, layer_small_numels): with zero3_serial_grad_checks
+    cost.deepspeed.serial_grad_checks over its parameter tensors, with zero3_regather_persistent
+    cost.deepspeed.persistent_regather over its small parameters (its list gather's
+    regather_list_ops once per step). Each distinct (tp, data-parallel size) priced once."""
+    from autoplan.cost import deepspeed as ds
+    from autoplan.cost.dataparallel import layer_numels, layer_small_numels
 
     block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
-    out = np.zeros(len(idx))
+    out = {k: np.zeros(len(idx)) for k in ("ds_fixed_ops", "ds_layer_ops", "ds_layer_elements")}
     if block is None:
         return out
     tp, n = c["tp"][idx], (c["dp"] * c["ep"] * c["cp"])[idx]
     for t, size in set(zip(tp.tolist(), n.tolist())):
-        config = ParallelConfig(tp=t)
+        config, rows = ParallelConfig(tp=t), (tp == t) & (n == size)
         layer_cost = cost.estimate_layer(block, cluster, config, "none", seq_len=graph.seq_len)
-        small = [x for x in layer_small_numels(block, layer_cost, graph, config) if x < engine.zero3_persistence_numel]
-        out[(tp == t) & (n == size)] = persistent_regather(small, size)[0]
+        small = layer_small_numels(block, layer_cost, graph, config)
+        if engine.zero3_serial_grad_checks and size > 1:
+            tensors = sum(1 for k in (*layer_numels(block, layer_cost, graph, config), *small) if k > 0)
+            out["ds_layer_ops"][rows] += ds.GRAD_CHECK_OPS_PER_PARAM * tensors
+            out["ds_fixed_ops"][rows] += ds.GRAD_CHECK_READS
+        if engine.zero3_regather_persistent and size > 1:
+            ops, elements = ds.persistent_regather([x for x in small if x < engine.zero3_persistence_numel], size)
+            fixed = ds.regather_list_ops(size) if ops else 0.0
+            out["ds_layer_ops"][rows] += ops - fixed
+            out["ds_fixed_ops"][rows] += fixed
+            out["ds_layer_elements"][rows] += elements
     return out
 
 

@@ -113,3 +113,27 @@ def test_a_bucket_reduces_beside_the_next_backward_module(r: float) -> None:
     _, serial, _ = DS.microbatch_s(_layers(1), _engine(zero3_reduce_bucket_numel=10**6, dp_comm_overlap=False),
                                    recompute=False, gather_s=lambda n: g, reduce_s=lambda n: r)
     assert serial == pytest.approx(4 * g + BWD + 4 * r)
+
+
+def test_the_2021_step_checks_every_gradient_partition_on_the_host() -> None:
+    """stage3.py step (v0.3.13-v0.5.x): has_overflow_partitioned_grads_serial and get_grad_norm_direct read
+    one scalar per gradient partition (cast, reduce, read: 2 x 3 ops), then all-reduce one element twice.
+    A 2-block GPT holds 2 x (4 weights + 8 small) + embedding + head = 26 tensors on each rank, so on an
+    ideal device the step grows by exactly (6 x 26 + 2) ops and two one-element all-reduces."""
+    from test_cost_graph_helper import a100_cluster, gpt_graph
+
+    from autoplan.cost import comm, estimate_config
+    from autoplan.cost.types import GroupPlacement
+    from autoplan.plan.types import ParallelConfig
+
+    graph = gpt_graph(h=2048, a=16, layers=2, seq=512, unfused=False)
+    cluster = a100_cluster(2, nic_bw=1e15, ideal=True)
+    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, op_overhead_s=1e-5), dtype="fp16")
+    base = dataclasses.replace(Engine.load("deepspeed"), attention="flash")
+    assert base.zero3_serial_grad_checks and not Engine.load("deepspeed-2024").zero3_serial_grad_checks
+    off, on = (estimate_config(graph, cluster, ParallelConfig(dp=16, zero=3), global_batch=16,
+                               engine=dataclasses.replace(base, zero3_serial_grad_checks=flag)) for flag in (False, True))
+    group = GroupPlacement(size=16, num_nodes=2, per_node=8)
+    scalars = comm.all_reduce_s(1.0, group, cluster) + comm.all_reduce_s(4.0, group, cluster)
+    assert on.step_time_s - off.step_time_s == pytest.approx((6 * 26 + 2) * 1e-5 + scalars, rel=1e-9)
+    assert DS.serial_grad_checks(0) == (0.0, ())

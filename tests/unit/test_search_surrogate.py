@@ -98,3 +98,31 @@ def test_per_rank_sums_equal_the_einsum_over_the_placement_bit_for_bit() -> None
         want = np.einsum("ksf,sr->krf", per_stage, placement)
         got = _per_rank(per_stage, placement, ranks)
         assert got.tobytes() == want.tobytes(), (pp, v, schedule)
+
+
+@pytest.mark.parametrize("checks, regather", [(True, False), (False, True), (True, True)])
+def test_quick_deepspeed_step_terms_are_the_exact_ones_per_block(checks: bool, regather: bool) -> None:
+    """The quick estimate's once-per-step DeepSpeed host work (surrogate._deepspeed_step_terms through
+    assemble._deepspeed_step) is cost.dataparallel.deepspeed_step_s over a rank of blocks: its list
+    gather's ops once (not once per block), its per-block ops and the re-gather's all-gather of all the
+    blocks' persistent pieces, for 1, 3 and 6 blocks on dp = 8."""
+    from autoplan.cost.dataparallel import Rank, add_layers, deepspeed_step_s, dp_groups
+    from autoplan.search.assemble import _deepspeed_step, mesh_sizes
+    from autoplan.search.surrogate import _deepspeed_step_terms
+
+    graph = _models()[0]
+    cluster = dataclasses.replace(Cluster.load("dgx-a100-80gb", num_nodes=2, devices_per_node=4), dtype="fp16")
+    engine = dataclasses.replace(Engine.load("deepspeed"), zero3_serial_grad_checks=checks,
+                                 zero3_regather_persistent=regather)
+    config = ParallelConfig(dp=8, zero=3)
+    c = {k: np.array([v]) for k, v in (("tp", 1), ("dp", 8), ("ep", 1), ("cp", 1), ("pp", 1), ("etp", 0), ("eep", 0))}
+    terms = _deepspeed_step_terms(graph, cluster, c, np.array([0]), cost, engine)
+    block = graph.blocks[0]
+    layer_cost = cost.estimate_layer(block, cluster, config, "none", seq_len=graph.seq_len)
+    for count in (1, 3, 6):
+        rank = Rank()
+        add_layers(rank, [layer_cost] * count, [block] * count)
+        want = deepspeed_step_s(rank, graph, cluster, config, engine, dp_groups(config, cluster))
+        got = _deepspeed_step(terms, np.array([[float(count)]]), mesh_sizes(c), ("dp", "ep", "cp"), 2.0, cluster,
+                              engine)
+        assert want > 0 and got[0] == pytest.approx(want, rel=1e-9)
