@@ -109,3 +109,29 @@ def test_group_placement_equals_brute_force_over_every_rank() -> None:
             nodes[r // per_node] = nodes.get(r // per_node, 0) + 1
         got = group_placement(config, axes, per_node)
         assert (got.size, got.num_nodes, got.per_node) == (len(members), len(nodes), min(nodes.values()))
+
+
+def _megatron_groups(t: int, d: int, p: int) -> dict[str, list[int]]:
+    """Rank 0's tp, dp and pp groups as Megatron-DeepSpeed builds them (megatron/core/parallel_state.py,
+    initialize_model_parallel, commit c08e2cc2): tp = range(i t, (i + 1) t); pp = range(i, world, world / p);
+    dp = range(start + j, start + world / p, t) inside pipeline block i. deepspeed.pipe's
+    PipeModelDataParallelTopology (axes ['pipe', 'data', 'model'], row-major) gives the same ranks."""
+    world = t * d * p
+    return {"tp": list(range(t)), "pp": list(range(0, world, world // p)), "dp": list(range(0, world // p, t))}
+
+
+def test_placement_is_megatron_deepspeed_rank_order() -> None:
+    # the vTrain multi-node (t, d, p) grids on 8-GPU nodes: every group as its members' node counts
+    grids = [(t, d, p) for t, d, p in itertools.product((1, 2, 4, 8, 16), (2, 4, 8, 16, 32, 64), (1, 2, 4, 8, 16, 32))
+             if t * d * p in (64, 256, 512)]
+    for t, d, p in grids:
+        config = ParallelConfig(tp=t, dp=d, pp=p)
+        for axis, members in _megatron_groups(t, d, p).items():
+            nodes = [sum(1 for r in members if r // 8 == n) for n in sorted({r // 8 for r in members})]
+            got = group_placement(config, (axis,), 8)
+            assert (got.size, got.num_nodes, got.per_node) == (len(members), len(nodes), min(nodes)), (t, d, p, axis)
+    # the 39.1B t=2 d=16 p=16 rows: tp inside a node, dp over 4 nodes with 4 members each, pp across nodes
+    config = ParallelConfig(tp=2, dp=16, pp=16)
+    assert group_placement(config, ("tp",), 8) == GroupPlacement(size=2, num_nodes=1, per_node=2)
+    assert group_placement(config, ("dp",), 8) == GroupPlacement(size=16, num_nodes=4, per_node=4)
+    assert group_placement(config, ("pp",), 8) == GroupPlacement(size=16, num_nodes=16, per_node=1)
