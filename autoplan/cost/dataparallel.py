@@ -137,7 +137,9 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     Per microbatch: ZeRO-3's forward gather of each layer (prefetched one layer ahead when
     param_gather_overlap: FSDP2, Li et al. VLDB 2020's two-stream model in overlap.py), its backward
     gather and, when gradients are reduced every microbatch, the reduce-scatter of each layer's
-    gradients (overlapped with the backward of the layers before it when dp_comm_overlap).
+    gradients (overlapped with the backward of the layers before it when dp_comm_overlap, the rest
+    exposed when that backward ends) or, when the engine does not wait for them (async_reduce: ZeRO-2
+    with Engine.grad_reduce_async), run on beside the next microbatches' compute (async_reduce_s).
     Per step: a reduction deferred to the last microbatch runs in buckets as that backward produces
     them (the exposed part is what is left when this rank's backward ends: at least the last bucket)
     or, without dp_comm_overlap, after the schedule in full (Megatron's local DDP: one all-reduce of
@@ -173,9 +175,14 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     copy_out = memory_time_s(cluster.device, 2.0 * w * (sum(dense) + sum(expert))) if engine.gather_copy_out else 0.0
     copy_in = reduce_copy_in_s(sum(dense) + sum(expert), cluster, layout, engine)
     dp_f = dp_b = 0.0
+    if async_reduce(layout, engine):
+        dp_b, tail = async_reduce_s(fwd, bwd[::-1], reduces(back), cluster)
+        dp_b += copy_in
+        rank.dp_tail += tail
     if layout.weight_gathers_per_microbatch >= 2:
         dp_f = _overlap(fwd, gathers(order), none, engine.param_gather_overlap, True, cluster) + copy_out
-    if layout.weight_gathers_per_microbatch >= 1 or layout.reduce_every_microbatch:
+    if not async_reduce(layout, engine) and (layout.weight_gathers_per_microbatch >= 1
+                                             or layout.reduce_every_microbatch):
         pre = gathers(back) if layout.weight_gathers_per_microbatch >= 1 else none
         post = reduces(back) if layout.reduce_every_microbatch else none
         dp_b = _overlap(bwd[::-1], pre, post, engine.param_gather_overlap, engine.dp_comm_overlap, cluster)
@@ -198,6 +205,33 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
         else:
             rank.param_gather += (comm.all_gather_s(sum(dense) * w, groups.dense, cluster)
                                   + comm.all_gather_s(sum(expert) * w, groups.expert, cluster))
+
+
+def async_reduce(layout: ZeroLayout, engine: Engine) -> bool:
+    """Whether the engine's every-microbatch gradient reductions run asynchronously across microbatches
+    (Engine.grad_reduce_async, with dp_comm_overlap): only for a layout that reduces every microbatch and
+    gathers no weights per microbatch (ZeRO-2), whose backward waits for nothing else on that stream."""
+    return (engine.grad_reduce_async and engine.dp_comm_overlap and layout.reduce_every_microbatch
+            and layout.weight_gathers_per_microbatch == 0)
+
+
+def async_reduce_s(fwd: Sequence[float], bwd_order: Sequence[float], post: Sequence[float],
+                   cluster: ClusterSpec) -> tuple[float, float]:
+    """(per microbatch, once at the step's end) exposed seconds of gradient reductions issued every
+    microbatch that the backward does not wait for (Engine.grad_reduce_async; Llama 3's FSDP, Dubey et al.
+    2024, section 3.3.2: DP "can tolerate longer network latency by asynchronously prefetching sharded
+    model weights and reducing gradients"). The communication stream runs them back to back beside the
+    compute of this and the following microbatch, so a microbatch of compute C = sum(fwd) + sum(bwd) and
+    reductions R = sum(post) costs max(C, R): R - C exposed when R > C, the hidden part slowing the compute
+    by SM contention (overlap.hidden_penalty_s). The last microbatch has no compute after it: it pays what
+    a backward that waits pays (its own backward, `bwd_order` in the order `post` is issued, hiding what it
+    can: _overlap), the difference to the per-microbatch figure being the tail; with one microbatch the
+    step is the waiting engine's."""
+    compute, total = sum(fwd) + sum(bwd_order), sum(post)
+    exposed = max(total - compute, 0.0)
+    per_microbatch = exposed + hidden_penalty_s(total - exposed, cluster)
+    waited = _overlap(bwd_order, [0.0] * len(post), post, True, True, cluster)
+    return per_microbatch, max(waited - per_microbatch, 0.0)
 
 
 def reduce_copy_in_s(numel: float, cluster: ClusterSpec, layout: ZeroLayout, engine: Engine) -> float:

@@ -47,6 +47,7 @@ class Engine:
     main_grads_fp32: bool = False  # gradients accumulate in an fp32 buffer (Megatron main_grad): 4 B/param
     grad_reduce_fp32: bool = True  # bf16/fp8 training reduces gradients in fp32 (fp16 always in fp16)
     pipelined_fsdp_defers_sync: bool = True  # with pp > 1, FSDP gradient sync waits for the last microbatch
+    grad_reduce_async: bool = False  # gradients reduced every microbatch: the backward does not wait for its reduce-scatters, which run on beside the next microbatches' compute
     dp_bucket_numel: int = 0  # gradient bucket size (elements) of the DP reduction; 0: one bucket per layer
     gather_copy_out: bool = True  # all-gathered weights are copied out of the collective's buffer on the compute stream
     tp_splits_unfolded_experts: bool = False  # unfolded routed experts split over the dense tp group (plan.layout.expert_tp_split)

@@ -141,7 +141,11 @@ def zero_layout(config: ParallelConfig, num_microbatches: int, *, zero3: str = "
       step; the updated weight shards are all-gathered after the step (Megatron's distributed
       optimizer; FSDP2 reshard_after_forward=False with gradient sync on the last microbatch).
     - zero 2: also gradients sharded: reduce-scattered after every microbatch (FSDP2 SHARD_GRAD_OP's
-      default; DeepSpeed stage 2 reduces in buckets as gradients are produced).
+      default; DeepSpeed stage 2 reduces in buckets as gradients are produced; Megatron-FSDP's
+      optim_grads, megatron_fsdp.py _process_post_backward_gradients: `grad_reduce_every_bprop`, with
+      or without a pipeline, each backward's unsharded gradient bucket reduce-scattered into the sharded
+      fp32 main_grad and freed). Whether the next microbatch waits for those reductions is the
+      engine's (Engine.grad_reduce_async; cost.dataparallel.async_reduce_s).
     - zero 3: also weights: all-gathered before each microbatch's forward and again before its backward
       (FSDP2 reshard_after_forward=True; DeepSpeed stage 3), gradients reduce-scattered every microbatch.
     With pp > 1, torch.distributed.pipelining defers FSDP2's gradient sync and resharding to the last

@@ -158,12 +158,17 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     dp_b = _exposed(bwd, pre_b, post_b, layers, engine.param_gather_overlap, engine.dp_comm_overlap, frac)
     dp_b = np.where((gmb >= 1) | every,
                     dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
+    # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
+    asyn = every & (gmb == 0) & engine.grad_reduce_async & engine.dp_comm_overlap
+    per_mb = np.maximum(reduce - f["time"], 0.0) + frac * np.minimum(reduce, f["time"])
+    async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
+    dp_b = np.where(asyn, per_mb + copy_in, dp_b)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, frac)
     x = f["time"] + hops + dp_f + dp_b
     pipe = _pipeline(x, f["bwd_weight"], c, m, v)
     step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
-                             dense, expert, wire, w, cluster, copy_in) + _optimizer(f, c, lay, cluster, engine)
+                             dense, expert, wire, w, cluster, copy_in, async_tail) + _optimizer(f, c, lay, cluster, engine)
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
     mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
@@ -268,9 +273,10 @@ def _pipeline(x, weight, c, m, v):
 
 
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac, sizes, dense, expert, wire, w,
-               cluster, copy_in) -> np.ndarray:
+               cluster, copy_in, async_tail) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
-    sum_{k<r} B_k before rank 0), after its copy-in, and weight all-gather (ZeRO-1/2; overlapped with the
+    sum_{k<r} B_k before rank 0), after its copy-in, or the last microbatch's asynchronous reductions
+    (`async_tail`, cost.dataparallel.async_reduce_s), and weight all-gather (ZeRO-1/2; overlapped with the
     next forward)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
@@ -282,7 +288,9 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac
         tail = np.where(lay["reduce_scatter"][:, None] > 0, d, a) + e
     tail = tail + copy_in
     offsets = np.cumsum(bwd_all, axis=1) - bwd_all
-    dp_tail = np.where(once[:, 0], np.maximum((np.where(once, tail, 0.0) - offsets).max(axis=1), 0.0), 0.0)
+    per_rank = np.where(once, tail, async_tail)
+    dp_tail = np.where(once[:, 0] | (async_tail > 0).any(axis=1),
+                       np.maximum((per_rank - offsets).max(axis=1), 0.0), 0.0)
     step_gather = lay["weight_gathers_per_step"][:, None] > 0
     if engine.param_gather_overlap:
         pg = _exposed(fwd, gather, 0.0 * gather, layers, True, True, frac) + copy_out
