@@ -18,6 +18,7 @@ from autoplan.cost.kernels import (
     unfused_attention_s,
 )
 from autoplan.cost.passes import SOFTMAX_FALLBACK_BWD_OPS, SOFTMAX_FALLBACK_FWD_OPS, block_pass_bytes
+from autoplan.cost.projections import early_stop_skip_s, op_selective_recompute_s, split_qkv
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import expert_tp_split
@@ -271,17 +272,6 @@ def _attention_s(layer: Layer, shape: BlockShape | None, device: DeviceSpec, pea
     return fwd, FA_BACKWARD_FLOPS * fwd
 
 
-def _op_selective_recompute_s(device: DeviceSpec, peak_flops: float, groups: list, shape: BlockShape,
-                              dtype_bytes: int) -> float:
-    """torchtitan's per-op selective checkpointing recomputes every second matmul (K, the output
-    projection, the second MLP input projection: memory.block_activation_bytes) and the elementwise ops:
-    the K share of the QKV GEMM, the projection GEMM and one of the n_mlp MLP GEMMs."""
-    qkv, proj, mlp = groups[0], groups[1], groups[2]
-    k_share = (shape.h * shape.g / shape.a) / shape.qkv_out_width
-    return (k_share * gemm_pass_s(device, peak_flops, *qkv, dtype_bytes) + gemm_pass_s(device, peak_flops, *proj, dtype_bytes)
-            + gemm_pass_s(device, peak_flops, *mlp, dtype_bytes) / max(shape.n_mlp, 1))
-
-
 def host_ops(layer: Layer, engine: Engine) -> tuple[float, float]:
     """(forward, backward) host-issued operations of the layer: the engine's counts for a transformer
     block when it has them (counted in that engine's code: dispatcher ops, Python module calls and custom
@@ -316,7 +306,10 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     each in the phase it runs in. Recompute: full re-runs the block's forward;
     selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5), or
     under torchtitan's op policy (engine.selective_recompute 'op') the matmuls it does not save
-    (_op_selective_recompute_s) and every memory-bound op of the forward, the engine's passes included.
+    (projections.op_selective_recompute_s) and every memory-bound op of the forward, the engine's passes
+    included; a full recompute under engine.recompute_early_stop skips the MLP output GEMM and the residual
+    add after it (projections.early_stop_skip_s). engine.separate_qkv_projections prices Q, K and V as
+    three GEMMs (projections.split_qkv).
 
     Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
     fully recomputed block its forward's again, and the activation-checkpoint wrapper around it
@@ -344,12 +337,15 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         wgrad_column = ()
     else:
         groups = _block_gemm_groups(shape, tokens, total_mm, expert_mm, config, expert_div)
+        if engine.separate_qkv_projections:  # wq, wk, wv as three GEMMs (cost/projections.py)
+            groups = split_qkv(groups, shape, t)
         acc = 2.0 * GRAD_ACCUMULATE_BYTES
         mm_s = sum(gemm_pass_s(device, peak_flops, m, k, n, c, dtype_bytes) for m, k, n, c in groups)
         dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
         dws = [gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups]
         dw_s = sum(dws)
-        wgrad_column = (dws[0], dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
+        qkv_dw = dws[0] + (dws[-1] if engine.separate_qkv_projections else 0.0)
+        wgrad_column = (qkv_dw, dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
         elementwise_bytes, score_bytes = block_elementwise_bytes(
             shape, tokens, seq_len, config, dtype_bytes, scores_materialised, fused=engine.fused_elementwise,
             expert_div=expert_div, rmsnorm=engine.rmsnorm)
@@ -363,11 +359,13 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     attention_fwd = attn_fwd + memory_time_s(device, score_bytes + extra.attention_fwd)
     if layer.role is not LayerRole.BLOCK or recompute is Recompute.NONE:
         rec = 0.0
-    elif recompute is Recompute.FULL:
-        rec = fwd
+    elif recompute is Recompute.FULL:  # the forward again, less what an early-stopping checkpoint skips
+        early = engine.recompute_early_stop and shape is not None
+        rec = fwd - (early_stop_skip_s(device, peak_flops, groups, shape, tokens / (t if config.sp else 1),
+                                       dtype_bytes) if early else 0.0)
     elif engine.selective_recompute == "op" and shape is not None:  # every memory-bound op runs again
-        rec = (_op_selective_recompute_s(device, peak_flops, groups, shape, dtype_bytes) + elem_s
-               + memory_time_s(device, extra.fwd))
+        rec = (op_selective_recompute_s(device, peak_flops, groups, shape, dtype_bytes,
+                                        engine.separate_qkv_projections) + elem_s + memory_time_s(device, extra.fwd))
     else:
         rec = attention_fwd
     ops_f, ops_b = host_ops(layer, engine)

@@ -128,7 +128,9 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     """Megatron tensor parallelism (Shoeybi et al. 2019; Korthikanti et al. 2022 for SP): a block does
     2 all-reduces of b s h in forward (after attention and after the MLP) and 2 in backward (before
     them); with SP each becomes an all-gather plus a reduce-scatter of the same bytes, costing the
-    same on a ring. Full recompute re-runs the forward's 2. The vocab-parallel embedding all-reduces
+    same on a ring. Full recompute re-runs the forward's 2, less the MLP's reduction (all-reduce, or
+    reduce-scatter with SP) when engine.recompute_early_stop ends the recompute before the MLP output
+    projection of a dense block (cost/projections.py). The vocab-parallel embedding all-reduces
     its output in forward; the head's column-parallel projection all-reduces its input gradient in
     backward. Exposed in full when issued on the compute stream (Megatron-LM, DTensor TP).
 
@@ -149,10 +151,12 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
         return 0.0, 0.0
     group = comm.group_placement(config, ("tp",), cluster.devices_per_node)
     if shape is not None:
-        one = (comm.all_gather_s(hidden_bytes, group, cluster) + comm.reduce_scatter_s(hidden_bytes, group, cluster)
-               if config.sp else comm.all_reduce_s(hidden_bytes, group, cluster))
+        reduce = (comm.reduce_scatter_s if config.sp else comm.all_reduce_s)(hidden_bytes, group, cluster)
+        one = (comm.all_gather_s(hidden_bytes, group, cluster) + reduce) if config.sp else reduce
         fwd, bwd = 2 * one, 2 * one
-        rec = 2 * one if recompute is Recompute.FULL else 0.0
+        # an early-stopping recompute ends before the MLP output projection and its reduction (projections.py)
+        skip = reduce if engine.recompute_early_stop and not shape.num_experts else 0.0
+        rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
         f = contention_fraction(cluster)
         if engine.tp_comm_overlap and config.sp:
             fwd, bwd, rec = (max(c - g, 0.0) + f * min(c, g) for c, g in

@@ -74,6 +74,9 @@ def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool,
       V to the query heads (repeat_interleave; torchtitan's repeat_kv, expand + reshape), reading
       h g / a and writing h elements per token each, 2 T (h + h g / a) / t d; the backward sums the
       copies' gradients back (expand's backward), the same bytes;
+    - separate_qkv_projections (backward): x feeds three linears (wq, wk, wv), so autograd sums their
+      three input gradients (torch/csrc/autograd/input_buffer.cpp InputBuffer::add: one add per extra
+      gradient), two adds of [T, h] each reading two and writing one: 2 x 3 T h d;
     - rmsnorm 'eager_fp32' (a Llama-style block, without fused_elementwise): both norms' passes
       (fp32_rmsnorm_bytes) beyond the fused kernel that block_elementwise_bytes already counts (read and
       write forward, 2 d; read x and the gradient, write one, 3 d), on 2 T_h h elements."""
@@ -97,6 +100,8 @@ def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool,
     if engine.attention_saves_repeated_kv and shape.g < shape.a:
         repeat = 2.0 * tokens * (shape.h + shape.h * shape.g / shape.a) / tp * d
         fwd, bwd = fwd + repeat, bwd + repeat
+    if engine.separate_qkv_projections:
+        bwd += 2.0 * 3.0 * tokens * shape.h * d
     if shape.n_mlp == 3 and not engine.fused_elementwise and engine.rmsnorm == "eager_fp32":
         norm_f, norm_b = fp32_rmsnorm_bytes(d)
         fwd += 2.0 * t_h * shape.h * (norm_f - 2.0 * d)

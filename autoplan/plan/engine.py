@@ -61,6 +61,8 @@ class Engine:
     rmsnorm: str = "eager"  # a Llama-style block's RMSNorms without fused_elementwise: 'eager' (composite ops in the training dtype), 'eager_fp32' (upcast to fp32 first), 'fused' (one kernel each way)
     reduce_scatter_copy_in: bool = True  # FSDP2 copies the unsharded gradients into the reduce-scatter input (reduce dtype) before the compute stream goes on
     fused_adam: bool = False  # one fused multi-tensor Adam kernel (apex / DeepSpeed FusedAdam) instead of torch.optim.AdamW's per-op passes
+    separate_qkv_projections: bool = True  # Q, K and V from three linears (wq, wk, wv), not one fused QKV GEMM (cost/projections.py)
+    recompute_early_stop: bool = True  # full recompute through torch's non-reentrant checkpoint, which stops after the last saved tensor: the MLP output GEMM is not re-run (cost/projections.py)
     fused_softmax_max_keys: int = 0  # Megatron's fused scale-mask-softmax runs only under its shape rules (cost/passes.py), else a torch fallback in fp32; 0: no such rules
     # what autograd keeps for the backward (cost/memory.block_activation_bytes)
     sp_saves_gathered_input: bool = True  # with SP, the column-parallel linears keep their all-gathered input (DTensor), not the local shard

@@ -12,6 +12,7 @@ from test_cost_graph_helper import a100_cluster, gpt_graph
 
 from autoplan.cost import estimate_config, estimate_layer, matmul_efficiency
 from autoplan.graph.types import Layer, LayerRole
+from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Recompute
 
 COST_DIR = Path(__file__).resolve().parents[2] / "autoplan" / "cost"
@@ -67,7 +68,8 @@ def test_recompute_modes() -> None:
     g = gpt_graph(h=1024, a=16, layers=1, seq=1024)
     cluster = a100_cluster(1)
     cfg = ParallelConfig(dp=8)
-    none, sel, full = (estimate_layer(g.blocks[0], cluster, cfg, r, seq_len=1024) for r in Recompute)
+    whole = Engine(recompute_early_stop=False)  # a recompute that re-runs the whole forward (reentrant)
+    none, sel, full = (estimate_layer(g.blocks[0], cluster, cfg, r, seq_len=1024, engine=whole) for r in Recompute)
     assert none.recompute_s == 0.0
     assert math.isclose(full.recompute_s, full.fwd_s)
     attention_core = g.blocks[0].fwd_attention_flops / (312e12 * cluster.device.attention_efficiency)
@@ -124,7 +126,8 @@ def test_few_tokens_per_device_make_the_block_weight_bound() -> None:
     weight matmuls, while at 8192 tokens it is their FLOPs at peak."""
     cluster = a100_cluster(ideal=True)
     h = 4096
-    weights = [(h, 3 * h), (h, h), (h, 4 * h), (4 * h, h)]  # QKV, proj, fc1, fc2 as (k, n)
+    # wq, wk, wv (three linears in autoplan's executor: Engine.separate_qkv_projections), proj, fc1, fc2 as (k, n)
+    weights = [(h, h), (h, h), (h, h), (h, h), (h, 4 * h), (4 * h, h)]
     for seq, bound in ((64, "memory"), (8192, "compute")):
         g = gpt_graph(h=h, a=32, layers=1, seq=seq, unfused=False)
         cost = estimate_layer(g.blocks[0], cluster, ParallelConfig(), "none", seq_len=seq)

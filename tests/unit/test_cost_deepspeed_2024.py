@@ -23,7 +23,8 @@ MECHANISMS = (("param_gather_overlap", "zero3_trace_aligned"), ("zero3_sync_per_
 MODEL = ("attention", "fused_elementwise", "block_forward_ops", "block_backward_ops", "checkpoint_forward_ops",
          "checkpoint_backward_ops", "separate_qkv_bias_add", "separate_fc2_bias_add", "bias_grad_reduction",
          "attention_layout_copies", "attention_grad_scale", "rmsnorm", "rmsnorm_saves_normalized",
-         "swiglu_saves_activation", "attention_saves_repeated_kv", "main_grads_fp32", "grad_reduce_fp32", "fused_adam")
+         "swiglu_saves_activation", "attention_saves_repeated_kv", "main_grads_fp32", "grad_reduce_fp32", "fused_adam",
+         "separate_qkv_projections", "recompute_early_stop")
 
 
 def _engines() -> tuple[Engine, Engine]:
