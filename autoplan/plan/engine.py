@@ -61,6 +61,8 @@ class Engine:
     reduce_scatter_copy_in: bool = True  # FSDP2 copies the unsharded gradients into the reduce-scatter input (reduce dtype) before the compute stream goes on
     dp_grad_passes: int = 0  # read + write passes over the local gradients (reduce dtype) that a once-per-step all-reduce not overlapped with the backward makes on the compute stream (flatten, divide, copy back)
     dp_overlap_grad_passes: int = 0  # ... the same when the all-reduce overlaps the backward (dp_comm_overlap: bucket copy-in, copy back)
+    pp_recv_all_gather: bool = False  # each pipeline receive (activation forward, gradient backward) is all-gathered over tp from the 1/tp chunks the tp ranks were sent (Megatron's scatter/gather); no SP
+    pp_recv_gather_copy: bool = False  # ... into a list of chunk views (torch.distributed.all_gather), which copies each chunk out of NCCL's flat output
     fused_adam: bool = False  # one fused multi-tensor Adam kernel (apex / DeepSpeed FusedAdam) instead of torch.optim.AdamW's per-op passes
     fused_softmax_max_keys: int = 0  # Megatron's fused scale-mask-softmax runs only under its shape rules (cost/passes.py), else a torch fallback in fp32; 0: no such rules
     # what autograd keeps for the backward (cost/memory.block_activation_bytes)

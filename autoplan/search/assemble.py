@@ -135,7 +135,8 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
-    hops = extra["hops"] * collective_p2p(extra["out_bytes"], c, cluster, sizes)[:, None] if pp > 1 else 0.0
+    hops = (extra["hops"] * (collective_p2p(extra["out_bytes"], c, cluster, sizes)
+                             + _recv_gather(extra["out_bytes"], c, cluster, sizes, engine))[:, None] if pp > 1 else 0.0)
 
     def per_layer(kind: str, elem_bytes: float) -> np.ndarray:  # one rank's layers' collectives, summed
         d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
@@ -187,6 +188,19 @@ def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: Clu
 
     return price_rows(mesh, np.round(out_bytes), crosses, lambda b, cross: comm.p2p_s(b, cross, cluster),
                       ("pp-crosses", "p2p"), skip_nonpositive=False)
+
+
+def _recv_gather(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
+                 engine: Engine) -> np.ndarray:
+    """cost.estimate.pp_recv_gather_s per candidate: the tp all-gather (and the copy out of a list gather)
+    that re-assembles each pipeline receive; one per hop on each side, as the p2p itself."""
+    if not engine.pp_recv_all_gather:
+        return np.zeros(len(out_bytes))
+    whole = np.asarray(out_bytes, dtype=float) * c["tp"]
+    t = collective_s("ag", sizes, ("tp",), whole, cluster)
+    if engine.pp_recv_gather_copy:
+        t = t + memory_time_s(cluster.device, 2.0 * whole)
+    return np.where((c["tp"] > 1) & (c["sp"] == 0) & (whole > 0), t, 0.0)
 
 
 def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
