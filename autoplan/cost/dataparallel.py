@@ -143,7 +143,7 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     Per step: a reduction deferred to the last microbatch runs in buckets as that backward produces
     them (the exposed part is what is left when this rank's backward ends: at least the last bucket)
     or, without dp_comm_overlap, after the schedule in full (Megatron's local DDP: one all-reduce of
-    the contiguous buffer); ZeRO-1/2's weight all-gather after the sharded optimizer step (Rajbhandari
+    all gradients), either with the DDP's own passes over the gradients (ddp_grad_passes_s); ZeRO-1/2's weight all-gather after the sharded optimizer step (Rajbhandari
     et al. 2020, section 5) overlaps the next forward with param_gather_overlap (Megatron
     --overlap-param-gather), else is exposed."""
     if groups.dense.size <= 1 and groups.expert.size <= 1:
@@ -192,7 +192,7 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     rank.fwd += dp_f
     rank.bwd += dp_b
     if not layout.reduce_every_microbatch:
-        rank.dp_tail += copy_in
+        rank.dp_tail += copy_in + ddp_grad_passes_s(sum(dense) + sum(expert), cluster, layout, engine)
         if engine.dp_comm_overlap:
             rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster)
         else:
@@ -246,6 +246,25 @@ def reduce_copy_in_s(numel: float, cluster: ClusterSpec, layout: ZeroLayout, eng
         return 0.0
     per_element = dtype_bytes(cluster.dtype) + grad_wire_bytes(cluster.dtype, engine)
     return memory_time_s(cluster.device, per_element * numel)
+
+
+def ddp_grad_passes_s(numel: float, cluster: ClusterSpec, layout: ZeroLayout, engine: Engine) -> float:
+    """The DDP's own memory-bound passes around a once-per-step all-reduce of `numel` local gradients:
+    engine.dp_overlap_grad_passes when it overlaps the backward (engine.dp_comm_overlap; PyTorch DDP's
+    Reducer copies each gradient into its bucket, divided by the group size, then back after the
+    all-reduce), else engine.dp_grad_passes (Megatron-LM 2021's local DDP: flatten, divide, copy back),
+    each a read and a write of the gradients in the reduce dtype (grad_wire_bytes) on the compute stream:
+    they add to the step. Sources in engines/megatron-lm.yaml. Zero for a sharded or per-microbatch
+    reduction (FSDP's copy-in is reduce_copy_in_s)."""
+    if layout.grad_reduction != "all_reduce" or layout.reduce_every_microbatch:
+        return 0.0
+    return memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * numel)
+
+
+def ddp_grad_pass_bytes(dtype: str, engine: Engine) -> float:
+    """Bytes per local gradient element of ddp_grad_passes_s's passes (read + write each, reduce dtype)."""
+    passes = engine.dp_overlap_grad_passes if engine.dp_comm_overlap else engine.dp_grad_passes
+    return passes * 2.0 * grad_wire_bytes(dtype, engine)
 
 
 def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:

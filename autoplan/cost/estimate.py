@@ -81,6 +81,25 @@ def adam_bytes_per_param(dtype: str, engine: Engine) -> float:
     return total
 
 
+def pp_recv_gather_s(chunk_bytes: float, config: ParallelConfig, cluster: ClusterSpec, engine: Engine) -> float:
+    """What re-assembling one pipeline receive costs its rank under Megatron's scatter/gather (Narayanan et
+    al. 2021 section 4.1; engine.pp_recv_all_gather): each tp rank was sent `chunk_bytes`, 1/tp of the
+    activation (or its gradient), and all-gathers the whole, tp x chunk_bytes, over its tp group on the
+    compute stream before using it (Megatron-LM a8d172b3 megatron/p2p_communication.py _communicate ->
+    mpu.gather_split_1d_tensor); with engine.pp_recv_gather_copy the gather lands in a list of chunk views
+    (torch.distributed.all_gather), which PyTorch's ProcessGroupNCCL::allgather fills by gathering into a
+    flat buffer and copying each chunk out: a read and a write of the whole (Megatron replaced it by
+    _all_gather_base in 2022 for that reason: 55ba1f7b mpu/random.py gather_split_1d_tensor's comment).
+    Zero without tp or with sequence parallelism (whose activations stay split: 55ba1f7b turns the
+    scatter/gather off under --sequence-parallel)."""
+    if not engine.pp_recv_all_gather or config.tp == 1 or config.sp or chunk_bytes <= 0:
+        return 0.0
+    whole = chunk_bytes * config.tp
+    group = comm.group_placement(config, ("tp",), cluster.devices_per_node)
+    copy = memory_time_s(cluster.device, 2.0 * whole) if engine.pp_recv_gather_copy else 0.0
+    return comm.all_gather_s(whole, group, cluster) + copy
+
+
 def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
                     stages: tuple[tuple[str, ...], ...] | None = None,
                     layer_recompute: Mapping[str, Recompute] | None = None,
@@ -122,10 +141,16 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
             hop = (link_p2p_s(out_bytes, cluster.inter_group)
                    if crosses_groups(cluster, config, placement[i], placement[i + 1])
                    else comm.p2p_s(out_bytes, env.pp_cross, env.view))
-            rank.pp += hop
+            # the receiver re-assembles what it got over its tp group: the activation before its forward,
+            # the sender the gradient before its backward (Engine.pp_recv_all_gather)
+            gather_fwd = pp_recv_gather_s(out_bytes, config, env_of[placement[i + 1]].view, engine)
+            gather_bwd = pp_recv_gather_s(out_bytes, config, env.view, engine)
+            rank.pp += hop + gather_bwd
             rank.fwd += hop
-            ranks[placement[i + 1]].pp += hop
+            rank.bwd += gather_bwd
+            ranks[placement[i + 1]].pp += hop + gather_fwd
             ranks[placement[i + 1]].bwd += hop
+            ranks[placement[i + 1]].fwd += gather_fwd
     deepspeed = config.zero == 3 and engine.zero3 == "deepspeed" and env_of[0].groups.dense.size > 1
     for rank, env in zip(ranks, env_of):
         if deepspeed:
@@ -231,4 +256,4 @@ def _flops(graph: LayerGraph, config: ParallelConfig, global_batch: int,
 
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "GRAD_REDUCE_BYTES", "UNFUSED_ADAM_BYTES_PER_PARAM", "DpGroups",
-           "adam_bytes_per_param", "estimate_config", "grad_wire_bytes"]
+           "adam_bytes_per_param", "estimate_config", "grad_wire_bytes", "pp_recv_gather_s"]

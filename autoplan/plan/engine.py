@@ -60,6 +60,10 @@ class Engine:
     attention_grad_scale: bool = False  # baddbmm(alpha) backward scales the dQ and dK products in passes of their own
     rmsnorm: str = "eager"  # a Llama-style block's RMSNorms without fused_elementwise: 'eager' (composite ops in the training dtype), 'eager_fp32' (upcast to fp32 first), 'fused' (one kernel each way)
     reduce_scatter_copy_in: bool = True  # FSDP2 copies the unsharded gradients into the reduce-scatter input (reduce dtype) before the compute stream goes on
+    dp_grad_passes: int = 0  # read + write passes over the local gradients (reduce dtype) that a once-per-step all-reduce not overlapped with the backward makes on the compute stream (flatten, divide, copy back)
+    dp_overlap_grad_passes: int = 0  # ... the same when the all-reduce overlaps the backward (dp_comm_overlap: bucket copy-in, copy back)
+    pp_recv_all_gather: bool = False  # each pipeline receive (activation forward, gradient backward) is all-gathered over tp from the 1/tp chunks the tp ranks were sent (Megatron's scatter/gather); no SP
+    pp_recv_gather_copy: bool = False  # ... into a list of chunk views (torch.distributed.all_gather), which copies each chunk out of NCCL's flat output
     fused_adam: bool = False  # one fused multi-tensor Adam kernel (apex / DeepSpeed FusedAdam) instead of torch.optim.AdamW's per-op passes
     separate_qkv_projections: bool = True  # Q, K and V from three linears (wq, wk, wv), not one fused QKV GEMM (cost/projections.py)
     recompute_early_stop: bool = True  # full recompute through torch's non-reentrant checkpoint, which stops after the last saved tensor: the MLP output GEMM is not re-run (cost/projections.py)

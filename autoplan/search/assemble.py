@@ -17,7 +17,7 @@ import numpy as np
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
-from autoplan.cost.dataparallel import grad_wire_bytes
+from autoplan.cost.dataparallel import ddp_grad_pass_bytes, grad_wire_bytes
 from autoplan.cost.estimate import adam_bytes_per_param
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.kernels import memory_time_s
@@ -135,7 +135,8 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
-    hops = extra["hops"] * collective_p2p(extra["out_bytes"], c, cluster, sizes)[:, None] if pp > 1 else 0.0
+    hops = (extra["hops"] * (collective_p2p(extra["out_bytes"], c, cluster, sizes)
+                             + _recv_gather(extra["out_bytes"], c, cluster, sizes, engine))[:, None] if pp > 1 else 0.0)
 
     def per_layer(kind: str, elem_bytes: float) -> np.ndarray:  # one rank's layers' collectives, summed
         d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
@@ -149,6 +150,10 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     # dataparallel.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
     copy_in = np.where(lay["reduce_scatter"][:, None] > 0 if engine.reduce_scatter_copy_in else False,
                        memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
+    # dataparallel.ddp_grad_passes_s: the DDP's flatten / divide / copy-back passes around a per-step all-reduce
+    replicated = (c["dp"] * c["ep"] * c["cp"] > 1)[:, None]
+    ddp = np.where((lay["reduce_scatter"][:, None] == 0) & replicated,
+                   memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
     z3_fwd = np.where(gmb >= 2, _exposed(fwd, gather, 0 * gather, layers, engine.param_gather_overlap, True, frac)
@@ -168,7 +173,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     x = f["time"] + hops + dp_f + dp_b
     pipe = _pipeline(x, f["bwd_weight"], c, m, v)
     step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
-                             dense, expert, wire, w, cluster, copy_in, async_tail) + _optimizer(f, c, lay, cluster, engine)
+                             dense, expert, wire, w, cluster, copy_in + ddp, async_tail) + _optimizer(f, c, lay, cluster, engine)
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
     mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
@@ -188,6 +193,19 @@ def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: Clu
 
     return price_rows(mesh, np.round(out_bytes), crosses, lambda b, cross: comm.p2p_s(b, cross, cluster),
                       ("pp-crosses", "p2p"), skip_nonpositive=False)
+
+
+def _recv_gather(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
+                 engine: Engine) -> np.ndarray:
+    """cost.estimate.pp_recv_gather_s per candidate: the tp all-gather (and the copy out of a list gather)
+    that re-assembles each pipeline receive; one per hop on each side, as the p2p itself."""
+    if not engine.pp_recv_all_gather:
+        return np.zeros(len(out_bytes))
+    whole = np.asarray(out_bytes, dtype=float) * c["tp"]
+    t = collective_s("ag", sizes, ("tp",), whole, cluster)
+    if engine.pp_recv_gather_copy:
+        t = t + memory_time_s(cluster.device, 2.0 * whole)
+    return np.where((c["tp"] > 1) & (c["sp"] == 0) & (whole > 0), t, 0.0)
 
 
 def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
@@ -275,9 +293,9 @@ def _pipeline(x, weight, c, m, v):
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac, sizes, dense, expert, wire, w,
                cluster, copy_in, async_tail) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
-    sum_{k<r} B_k before rank 0), after its copy-in, or the last microbatch's asynchronous reductions
-    (`async_tail`, cost.dataparallel.async_reduce_s), and weight all-gather (ZeRO-1/2; overlapped with the
-    next forward)."""
+    sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
+    holds both), or the last microbatch's asynchronous reductions (`async_tail`,
+    cost.dataparallel.async_reduce_s), and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
         tail = _exposed(bwd_all, 0.0 * reduce, reduce, layers, True, True, frac)
