@@ -147,6 +147,10 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     et al. 2020, section 5) overlaps the next forward with param_gather_overlap (Megatron
     --overlap-param-gather), else is exposed."""
     if groups.dense.size <= 1 and groups.expert.size <= 1:
+        # the DDP still makes its passes without peers (Megatron-LM's local DDP and DeepSpeed's
+        # allreduce_gradients run at any group size: ddp_grad_passes_s's sources)
+        rank.dp_tail += ddp_grad_passes_s(sum(c.grad_param_count + c.expert_param_count for c in rank.costs),
+                                          cluster, layout, engine)
         return
     w, _, _ = state_bytes_per_param(cluster.dtype, engine)
     wire = grad_wire_bytes(cluster.dtype, engine)
@@ -254,7 +258,10 @@ def ddp_grad_passes_s(numel: float, cluster: ClusterSpec, layout: ZeroLayout, en
     Reducer copies each gradient into its bucket, divided by the group size, then back after the
     all-reduce), else engine.dp_grad_passes (Megatron-LM 2021's local DDP: flatten, divide, copy back),
     each a read and a write of the gradients in the reduce dtype (grad_wire_bytes) on the compute stream:
-    they add to the step. Sources in engines/megatron-lm.yaml. Zero for a sharded or per-microbatch
+    they add to the step, also with a data-parallel group of one (Megatron-LM a8d172b3 training.py
+    train_step calls allreduce_gradients unconditionally; DeepSpeed v0.10.0 engine.py allreduce_gradients
+    -> buffered_allreduce_fallback -> allreduce_and_copy has no group-size check). Sources in
+    engines/megatron-lm.yaml and engines/megatron-deepspeed.yaml. Zero for a sharded or per-microbatch
     reduction (FSDP's copy-in is reduce_copy_in_s)."""
     if layout.grad_reduction != "all_reduce" or layout.reduce_every_microbatch:
         return 0.0

@@ -151,8 +151,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     copy_in = np.where(lay["reduce_scatter"][:, None] > 0 if engine.reduce_scatter_copy_in else False,
                        memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
     # dataparallel.ddp_grad_passes_s: the DDP's flatten / divide / copy-back passes around a per-step all-reduce
-    replicated = (c["dp"] * c["ep"] * c["cp"] > 1)[:, None]
-    ddp = np.where((lay["reduce_scatter"][:, None] == 0) & replicated,
+    ddp = np.where(lay["reduce_scatter"][:, None] == 0,  # at any group size, as the exact model
                    memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0

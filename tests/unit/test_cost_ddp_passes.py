@@ -1,8 +1,8 @@
 """The DDP's own passes over the gradients around a once-per-step all-reduce (Engine.dp_grad_passes: Megatron-LM
 2021's local DDP flattens, divides and copies back; Engine.dp_overlap_grad_passes: PyTorch DDP's Reducer copies
 into its buckets and back) against a hand computation: each pass reads and writes every local gradient once
-in the reduce dtype at streaming bandwidth, once per step; none for sharded (reduce-scatter) layouts or without
-data parallelism; the quick estimate moves by the same seconds."""
+in the reduce dtype at streaming bandwidth, once per step, with or without data-parallel peers; none for
+sharded (reduce-scatter) layouts; the quick estimate moves by the same seconds."""
 
 from __future__ import annotations
 
@@ -46,11 +46,24 @@ def test_each_pass_reads_and_writes_every_local_fp16_gradient_once_per_step(over
     assert _step(other, config) == _step(base, config)  # the other DDP's field is not read
 
 
-def test_no_passes_without_data_parallelism_or_with_sharded_gradients() -> None:
+def test_no_passes_with_sharded_gradients() -> None:
     on = dataclasses.replace(BASE, dp_grad_passes=3)
-    for config in (ParallelConfig(tp=4, pp=2, dp=1, microbatch=1),
-                   ParallelConfig(dp=8, zero=2, microbatch=1), ParallelConfig(dp=8, zero=3, microbatch=1)):
+    for config in (ParallelConfig(dp=8, zero=2, microbatch=1), ParallelConfig(dp=8, zero=3, microbatch=1)):
         assert _step(on, config) == _step(BASE, config), config
+
+
+def test_the_passes_run_without_data_parallel_peers_too() -> None:
+    """Megatron-LM's train_step calls allreduce_gradients and DeepSpeed's allreduce_and_copy runs whatever
+    the group size: with dp 1 (tp 1, pp 1) the step still grows by the passes over every gradient."""
+    on = dataclasses.replace(BASE, dp_grad_passes=3)
+    one = dataclasses.replace(a100_cluster(1, per_node=1), dtype="fp16")
+    config = ParallelConfig(dp=1, microbatch=1)
+
+    def step(engine: Engine) -> float:
+        return estimate_config(GRAPH, one, config, global_batch=16, engine=engine).step_time_s
+
+    hand = _stream_s(3 * (2 + 2) * GRAPH.num_params)
+    assert math.isclose(step(on) - step(BASE), hand, rel_tol=1e-9)
 
 
 def test_the_quick_estimate_moves_by_the_exact_seconds() -> None:
@@ -65,9 +78,10 @@ def test_the_quick_estimate_moves_by_the_exact_seconds() -> None:
         assert math.isclose(after[r] - before[r], want, rel_tol=1e-6, abs_tol=1e-12), config
 
 
-def test_only_megatron_lm_ships_the_passes() -> None:
-    e = Engine.load("megatron-lm")
-    assert (e.dp_grad_passes, e.dp_overlap_grad_passes) == (3, 2)
+def test_only_the_megatron_engines_ship_the_passes() -> None:
+    """megatron-lm: local DDP (3) and torch DDP (2); megatron-deepspeed: DeepSpeed's allreduce_bucket /
+    allreduce_and_copy after the schedule (3, no overlap); every other engine reduces without them."""
+    shipped = {"megatron-lm": (3, 2), "megatron-deepspeed": (3, 0)}
     for name in Engine.names():
-        if name != "megatron-lm":
-            assert Engine.load(name).dp_grad_passes == Engine.load(name).dp_overlap_grad_passes == 0, name
+        e = Engine.load(name)
+        assert (e.dp_grad_passes, e.dp_overlap_grad_passes) == shipped.get(name, (0, 0)), name
