@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from autoplan.search.stages import StageProblem, StageSolution, _pareto, evaluate, fits
+from autoplan.search.stages import StageProblem, StageSolution, _pareto, evaluate, fits, mem_slack
 
 # per block count k: bytes [k, L] ascending (inf past the front), time [k, L], option counts [k, L, R]
 Front = tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -68,8 +68,9 @@ def _rank_terms(problem: StageProblem) -> tuple[np.ndarray, np.ndarray, np.ndarr
     pin_t[last] += problem.last_time_s
     pin_m[last] += problem.last_static_bytes + f[last] * problem.last_act_bytes
     limits = np.array([problem.mem_limit_on(r) for r in range(problem.num_ranks)], dtype=float)
-    # the budget keeps stages.fits' tolerance (1e-9 of the limit), so what fits there fits here
-    return pin_t, limits - pin_m + 1e-9 * np.where(np.isfinite(limits), np.abs(limits), 0.0), f
+    # the budget keeps stages.fits' tolerance (stages.mem_slack), so what fits there fits here
+    slack = np.array([mem_slack(limit) for limit in limits])
+    return pin_t, limits - pin_m + slack, f
 
 
 def _tables(problem: StageProblem, sizes: tuple[int, int], statics: tuple[float, float]

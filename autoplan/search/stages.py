@@ -8,6 +8,7 @@ time per microbatch with every rank's memory under the limit. The ILP in ilp.py 
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -128,8 +129,18 @@ def _check_order(per_stage_run: np.ndarray, run_sizes: tuple[int, ...]) -> None:
             raise ValueError(f"run {j + 1} starts before run {j} ends: stages must keep model order")
 
 
+MEM_RTOL = 1e-9  # a rank's memory may exceed its limit by this fraction of it (rounding of its sums)
+
+
+def mem_slack(limit: float) -> float:
+    """Bytes over `limit` that still fit (MEM_RTOL of it; 0 for no limit): the one tolerance of fits, the DP's
+    segment budgets and balance's, so that what one of them accepts the others accept."""
+    return MEM_RTOL * abs(limit) if math.isfinite(limit) else 0.0
+
+
 def fits(problem: StageProblem, solution: StageSolution) -> bool:
-    return all(mem <= problem.mem_limit_on(r) * (1 + 1e-9) for r, mem in enumerate(solution.rank_mem_bytes))
+    return all(mem <= problem.mem_limit_on(r) + mem_slack(problem.mem_limit_on(r))
+               for r, mem in enumerate(solution.rank_mem_bytes))
 
 
 @lru_cache(maxsize=256)
@@ -155,7 +166,8 @@ def _pareto(time: np.ndarray, mem: np.ndarray, choice: np.ndarray) -> tuple[np.n
 def _segment_cost(problem: StageProblem, ks: tuple[int, ...], factor: float, budget: float,
                   rank: int = 0) -> tuple[float, tuple]:
     """Fastest option counts for ks[j] blocks of each run on `rank` under `budget` bytes (exact, by
-    enumeration of each run's compositions and a Pareto merge). Returns (inf, ()) when nothing fits."""
+    enumeration of each run's compositions and a Pareto merge). Returns (inf, ()) when nothing fits.
+    `budget` already holds the rank's slack (mem_slack), so a segment fits here exactly when fits() accepts it."""
     r = problem.num_options
     time, mem, choice = np.zeros(1), np.zeros(1), np.zeros((1, 0), dtype=np.int64)
     for j, k in enumerate(ks):
@@ -165,7 +177,7 @@ def _segment_cost(problem: StageProblem, ks: tuple[int, ...], factor: float, bud
         tt = (time[:, None] + t[None, :]).ravel()
         mm = (mem[:, None] + m[None, :]).ravel()
         ch = np.concatenate([np.repeat(choice, len(comp), axis=0), np.tile(comp, (len(choice), 1))], axis=1)
-        ok = mm <= budget * (1 + 1e-12)
+        ok = mm <= budget
         if not ok.any():
             return float("inf"), ()
         time, mem, choice = _pareto(tt[ok], mm[ok], ch[ok])
@@ -197,7 +209,8 @@ def solve_dp(problem: StageProblem) -> StageSolution | None:
         fixed_t = problem.first_time_s * first + problem.last_time_s * last
         fixed_m = (problem.first_static_bytes + problem.inflight[rank] * problem.first_act_bytes) * first + (
             problem.last_static_bytes + problem.inflight[rank] * problem.last_act_bytes) * last
-        budget = problem.mem_limit_on(rank) / problem.virtual_stages - fixed_m
+        limit = problem.mem_limit_on(rank)
+        budget = (limit + mem_slack(limit)) / problem.virtual_stages - fixed_m
         remaining = s_total - q - 1
         for c in range(q, n - remaining):
             if best[q][c] == inf:

@@ -125,3 +125,19 @@ def test_balanced_solver_matches_brute_force(problem: StageProblem) -> None:
     else:
         assert got is not None and fits(problem, got)
         assert got.time_s == pytest.approx(ref.time_s, rel=1e-9, abs=1e-12)
+
+
+def test_dp_and_fits_share_one_memory_tolerance() -> None:
+    """Hypothesis found this: the pinned last layer leaves exactly 0 bytes of a 2-byte limit and the block
+    needs 1.9e-29 more. fits() accepts the total (2.0 after rounding, within its 1e-9 slack); the DP once
+    compared the block against a budget of 0 * (1 + 1e-12) and said nothing fits. Both now use
+    stages.mem_slack, and the DP finds the brute force's answer."""
+    problem = StageProblem(run_sizes=(1,), time_s=((1.0,),), static_bytes=(0.0,), act_bytes=((1.9212150051180538e-29,),),
+                           num_ranks=1, inflight=(1.0,), mem_limit_bytes=2.0, last_static_bytes=1.0,
+                           last_act_bytes=1.0)
+    ref, got = brute_force(problem), solve_dp(problem)
+    assert ref is not None and got is not None and fits(problem, got)
+    assert got.time_s == pytest.approx(ref.time_s)
+    # a block that really does not fit (a thousandth of the limit over) is still refused by both
+    over = replace(problem, act_bytes=((2e-3,),))
+    assert brute_force(over) is None and solve_dp(over) is None
