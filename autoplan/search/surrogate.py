@@ -160,6 +160,7 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
         for part in _chunks(inverse.reshape(-1)[order], max(CHUNK // pp, 64)):
             rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
             extra = {"hops": np.broadcast_to(shape["hops"], (len(rows), pp)), "out_bytes": shape["out_bytes"][key],
+                     "tied": graph.tied_embedding_params, "last_rank": shape["last_rank"],
                      "max_numel": max_numel[rows], "max_params": shape["max_params"][key],
                      "work": shape["work"][key]}
             if per_step is not None:
@@ -205,7 +206,8 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
     per_stage = sub[:, 1:] - sub[:, :-1]  # [keys, S, F]
     block = next((i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK), 0)
     out = {"per_rank": _per_rank(per_stage, placement, ranks), "layers_per_rank": np.diff(bounds) @ placement,
-           "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")]}
+           "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
+           "last_rank": ranks[-1]}
     for name in ("params", "work"):  # per-rank maxima over the rank's stages
         stage_max = np.maximum.reduceat(table[keys, :, FIELDS.index(name)], bounds[:-1], axis=1)
         out["max_params" if name == "params" else "work"] = np.stack(
