@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from autoplan.cluster.types import ClusterSpec
+from autoplan.cluster.types import ClusterSpec, DeviceSpec
 from autoplan.cost import comm
+from autoplan.cost.compute import H2D_SYNC_COPY_S
 from autoplan.cost.dataparallel import (
     DpGroups,
     Rank,
@@ -81,6 +83,42 @@ def adam_bytes_per_param(dtype: str, engine: Engine) -> float:
     return total
 
 
+# DeepSpeed v0.10.0 deepspeed/runtime/pipe/engine.py with tp > 1 (is_pipe_partitioned = is_grad_partitioned =
+# is_model_parallel) sends every activation and gradient as a PartitionedTensor (deepspeed/runtime/utils.py).
+# Per pipeline cut and microbatch, each side's work as (passes over the whole activation A, passes over its
+# 1/tp chunk c, all-gathers of A over tp, synchronising copies), a pass being a read or a write:
+# - the activation's sender, forward: _exec_forward_pass PartitionedTensor(first_output): narrow().clone() of
+#   its chunk (2c); to_meta(): torch.LongTensor(meta).to(device), a host-to-device copy that synchronises;
+# - its receiver, forward: _exec_recv_activations buffer.clone() (2c), _exec_forward_pass inputs clone() (2c),
+#   PartitionedTensor.from_meta: meta.tolist() (a device-to-host copy that synchronises), full(): torch.zeros
+#   of A (1A), copy_ of the local chunk (2c), dist.all_gather into a list of views (PyTorch's
+#   ProcessGroupNCCL::allgather gathers into a flat buffer and copies each chunk out: 2A), .clone() (2A);
+# - the activation's sender, backward: _exec_backward_pass from_meta + full() of its own output (zeroed after
+#   the send) and of the received gradient: twice (5A + 2c, 1 gather, 1 sync);
+# - its receiver, backward: _exec_send_grads PartitionedTensor(inputs.grad): clone of its chunk, to_meta.
+PARTITION_SEND_FWD = (0, 2, 0, 1)
+PARTITION_RECV_FWD = (5, 6, 1, 1)
+PARTITION_SEND_BWD = (10, 4, 2, 2)
+PARTITION_RECV_BWD = (0, 2, 0, 1)
+
+
+def partition_meta_bytes(tp: int) -> int:
+    """PartitionedTensor.to_meta's int64 tensor, sent before each chunk: [ndims, s, b, h, num_parts, rank,
+    partition (tp + 1 offsets)]."""
+    return 8 * (1 + 3 + 2 + tp + 1)
+
+
+def partitioned_role_s(role: tuple[int, int, int, int], chunk_bytes: Any, tp: Any, gather_s: Any,
+                       device: DeviceSpec, cpu: bool) -> Any:
+    """One side's PartitionedTensor work (a PARTITION_* role) for a chunk of chunk_bytes (1/tp of the
+    activation): its passes at streaming bandwidth, its all-gathers of the whole (gather_s each) and its
+    synchronising copies at H2D_SYNC_COPY_S + op_overhead_s each, as compute.py prices a block's (none on a
+    CPU profile). Numbers or numpy arrays."""
+    whole, chunk, gathers, syncs = role
+    sync = 0.0 if cpu else syncs * (H2D_SYNC_COPY_S + device.op_overhead_s)
+    return memory_time_s(device, chunk_bytes * (chunk + whole * tp)) + gathers * gather_s + sync
+
+
 def pp_recv_gather_s(chunk_bytes: float, config: ParallelConfig, cluster: ClusterSpec, engine: Engine) -> float:
     """What re-assembling one pipeline receive costs its rank under Megatron's scatter/gather (Narayanan et
     al. 2021 section 4.1; engine.pp_recv_all_gather): each tp rank was sent `chunk_bytes`, 1/tp of the
@@ -122,8 +160,12 @@ def _add_hop(ranks: list[Rank], a: int, b: int, env_of: list[_Env], out_bytes: f
     same way): (2m + 2p - 5) T for p >= 3, m >= 3, and (m + 1) T for p = 2; this gives (2m + 2p - 4) T and
     (m + 1) T."""
     env_a, env_b = env_of[a], env_of[b]
-    hop = (link_p2p_s(out_bytes, cluster.inter_group) if crosses_groups(cluster, config, a, b)
-           else comm.p2p_s(out_bytes, env_a.pp_cross, env_a.view))
+    inter = crosses_groups(cluster, config, a, b)
+    sizes = (out_bytes, partition_meta_bytes(config.tp)) if _partitioned(config, engine) else (out_bytes,)
+    hop = sum(link_p2p_s(n, cluster.inter_group) if inter else comm.p2p_s(n, env_a.pp_cross, env_a.view)
+              for n in sizes)  # a partitioned transfer: its meta tensor, then the chunk, each a p2p of its own
+    if _partitioned(config, engine):
+        _add_partitioned(ranks, a, b, env_of, out_bytes, config)
     gather_fwd = pp_recv_gather_s(out_bytes, config, env_b.view, engine)
     gather_bwd = pp_recv_gather_s(out_bytes, config, env_a.view, engine)
     ranks[a].pp += hop + gather_bwd
@@ -136,6 +178,27 @@ def _add_hop(ranks: list[Rank], a: int, b: int, env_of: list[_Env], out_bytes: f
         for k in (a, b):
             ranks[k].recv_wait += hop
             ranks[k].pp += hop
+
+
+def _partitioned(config: ParallelConfig, engine: Engine) -> bool:
+    return engine.pp_partitioned_tensors and config.tp > 1 and not config.sp
+
+
+def _add_partitioned(ranks: list[Rank], a: int, b: int, env_of: list[_Env], chunk_bytes: float,
+                     config: ParallelConfig) -> None:
+    """DeepSpeed's PartitionedTensor work around one cut (Engine.pp_partitioned_tensors, PARTITION_* roles):
+    a sends the activation and receives its gradient, b the reverse; the gathers over each side's tp group."""
+    for k, fwd_role, bwd_role in ((a, PARTITION_SEND_FWD, PARTITION_SEND_BWD), (b, PARTITION_RECV_FWD,
+                                                                             PARTITION_RECV_BWD)):
+        view = env_of[k].view
+        group = comm.group_placement(config, ("tp",), view.devices_per_node)
+        gather = comm.all_gather_s(chunk_bytes * config.tp, group, view)
+        cpu = bool(view.device.cpu_cores)
+        f = partitioned_role_s(fwd_role, chunk_bytes, config.tp, gather, view.device, cpu)
+        g = partitioned_role_s(bwd_role, chunk_bytes, config.tp, gather, view.device, cpu)
+        ranks[k].fwd += f
+        ranks[k].bwd += g
+        ranks[k].pp += f + g
 
 
 def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,

@@ -18,7 +18,7 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.dataparallel import ddp_grad_pass_bytes, grad_wire_bytes
-from autoplan.cost.estimate import adam_bytes_per_param, tied_pair
+from autoplan.cost.estimate import adam_bytes_per_param
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import dtype_bytes
@@ -27,6 +27,7 @@ from autoplan.cost.overlap import contention_fraction
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+from autoplan.search.pipeline_terms import pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, int_codes, per_mesh, price_rows
 from autoplan.search.space import RECOMPUTES, SCHEDULES
 
@@ -135,11 +136,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
-    p2p = collective_p2p(extra["out_bytes"], c, cluster, sizes) if pp > 1 else 0.0
-    hops = (extra["hops"] * (p2p + _recv_gather(extra["out_bytes"], c, cluster, sizes, engine))[:, None]
-            if pp > 1 else 0.0)
-    # cost.estimate._add_hop: unbatched p2p's blocking receives, one per cut on each side, steady state only
-    steady = extra["hops"] * p2p[:, None] if pp > 1 and not engine.pp_p2p_batched else 0.0
+    hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp)
 
     def per_layer(kind: str, elem_bytes: float) -> np.ndarray:  # one rank's layers' collectives, summed
         d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
@@ -174,7 +171,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, frac)
     x = f["time"] + hops + dp_f + dp_b
     pipe = _pipeline(x, f["bwd_weight"], c, m, v, steady)
-    tied = _tied_reduce(extra, c, cluster, sizes, wire, pp)
+    tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
     step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
                              dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
                              int(extra.get("last_rank", pp - 1))) + _optimizer(f, c, lay, cluster, engine)
@@ -182,34 +179,6 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
         step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
     mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return step, mem, acts
-
-
-def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec,
-                   sizes: Mesh | None = None) -> np.ndarray:
-    """cost.comm.p2p_s of the activation a pipeline cut sends, on the link the pp group crosses (each
-    distinct (mesh, bytes) priced once)."""
-    mesh = sizes if sizes is not None else mesh_sizes(c)
-
-    def crosses(row: tuple[int, ...]) -> bool:
-        pp, dp, ep, cp, tp = row[:5]  # the pp group's placement reads MESH_AXIS_ORDER's five
-        cfg = ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
-        return comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes
-
-    return price_rows(mesh, np.round(out_bytes), crosses, lambda b, cross: comm.p2p_s(b, cross, cluster),
-                      ("pp-crosses", "p2p"), skip_nonpositive=False)
-
-
-def _recv_gather(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
-                 engine: Engine) -> np.ndarray:
-    """cost.estimate.pp_recv_gather_s per candidate: the tp all-gather (and the copy out of a list gather)
-    that re-assembles each pipeline receive; one per hop on each side, as the p2p itself."""
-    if not engine.pp_recv_all_gather:
-        return np.zeros(len(out_bytes))
-    whole = np.asarray(out_bytes, dtype=float) * c["tp"]
-    t = collective_s("ag", sizes, ("tp",), whole, cluster)
-    if engine.pp_recv_gather_copy:
-        t = t + memory_time_s(cluster.device, 2.0 * whole)
-    return np.where((c["tp"] > 1) & (c["sp"] == 0) & (whole > 0), t, 0.0)
 
 
 def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
@@ -294,44 +263,12 @@ def _pipeline(x, weight, c, m, v, steady=0.0):
     return m * (x + steady).max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
 
 
-def _tied_reduce(extra, c, cluster, sizes, wire, pp) -> np.ndarray:
-    """cost.estimate.tied_grad_reduce_s per candidate: the tied head's V/tp x h gradient all-reduced between
-    the first and the last stage (a 2-rank group across nodes when the pp group crosses them), when they run
-    on different ranks (extra["last_rank"], the last stage's rank, is not 0)."""
-    tied = float(extra.get("tied", 0))
-    if not tied or pp == 1 or int(extra.get("last_rank", pp - 1)) == 0:
-        return np.zeros(len(c["tp"]))
-
-    def pair(row: tuple[int, ...]) -> Any:
-        pp_, dp, ep, cp, tp = row[:5]  # the pp group's placement reads MESH_AXIS_ORDER's five
-        cfg = ParallelConfig(pp=pp_, dp=dp, ep=ep, cp=cp, tp=tp)
-        return tied_pair(comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes)
-
-    return price_rows(sizes, tied / c["tp"] * wire, pair, lambda b, g: comm.all_reduce_s(b, g, cluster),
-                      ("tied-pair", "ar"))
-
-
-def _tied_tail(per_rank, offsets, tied, last, before_dp) -> np.ndarray:
-    """cost.estimate.step_tail_s over [n, p]: the latest end past the pipeline, rank r's reduction per_rank[r]
-    starting offsets[r] early, the tied all-reduce joining rank 0 and rank `last` before or after theirs."""
-    ends = per_rank - offsets
-    if last > 0 and np.any(tied > 0):
-        if before_dp:
-            start = np.maximum(-offsets[:, 0], -offsets[:, last]) + tied
-            first_end, last_end = start + per_rank[:, 0], start + per_rank[:, last]
-        else:
-            first_end = last_end = np.maximum(ends[:, 0], ends[:, last]) + tied
-        ends[:, 0] = np.where(tied > 0, first_end, ends[:, 0])
-        ends[:, last] = np.where(tied > 0, last_end, ends[:, last])
-    return np.maximum(ends.max(axis=1), 0.0)
-
-
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac, sizes, dense, expert, wire, w,
                cluster, copy_in, async_tail, tied, last_rank) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
     sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
-    cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (_tied_tail),
+    cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (tied_tail),
     and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
@@ -345,7 +282,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac
     offsets = np.cumsum(bwd_all, axis=1) - bwd_all
     active = (once[:, 0] | (async_tail > 0).any(axis=1))[:, None]
     per_rank = np.where(active, np.where(once, tail, async_tail), 0.0)
-    dp_tail = _tied_tail(per_rank, offsets, tied, last_rank, engine.tied_reduce_before_dp)
+    dp_tail = tied_tail(per_rank, offsets, tied, last_rank, engine.tied_reduce_before_dp)
     step_gather = lay["weight_gathers_per_step"][:, None] > 0
     if engine.param_gather_overlap:
         pg = _exposed(fwd, gather, 0.0 * gather, layers, True, True, frac) + copy_out
