@@ -149,8 +149,10 @@ def _add_hop(ranks: list[Rank], a: int, b: int, env_of: list[_Env], out_bytes: f
     Unbatched p2p (Engine.pp_p2p_batched False): DeepSpeed v0.10.0 deepspeed/runtime/pipe/engine.py issues
     each transfer as a blocking p2p.send / p2p.recv of its own (p2p.py: dist.send / dist.recv), in
     schedule.py TrainSchedule.steps' order: a forward step runs SendGrad(previous microbatch), RecvActivation,
-    ForwardPass; a backward step RecvGrad, SendActivation(previous), BackwardPass. An NCCL send completes
-    only once its receiver has posted the recv, and the compute stream waits for it, so in the steady state
+    ForwardPass; a backward step RecvGrad, SendActivation(previous), BackwardPass. An ncclSend / ncclRecv
+    outside a group "is blocking for the GPU" until its peer's matching call runs (NCCL user guide, Point To
+    Point Communication Functions), and torch.distributed.send / recv wait for it on the compute stream
+    (ProcessGroupNCCL Work.wait), so in the steady state
     a rank's slot also holds every transfer it receives: an inner rank 4 transfers per microbatch (2 when
     batched), the end ranks 2. In the fill and drain each receive is the transfer the sender's slot already
     carries along the chain, so the receives are steady-state time only (Rank.recv_wait, pipeline_time_s
