@@ -23,7 +23,9 @@ def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int, b: int = 1, 
     """Megatron GPT for microbatch b (Narayanan et al. 2021, appendix: 24 b s h^2 matmul + 4 b s^2 h
     attention FLOPs per block; 12 h^2 + 13 h parameters; Korthikanti et al. 2022: 34 s b h activation
     bytes without the scores). Embedding: (V + s) h parameters (word + learned positions). Head: the
-    V x h projection (tied to the embedding; the last pipeline stage keeps its own copy) and Megatron's
+    V x h projection (tied to the embedding, tied_embedding_params = V h: Megatron-LM's GPTModel shares
+    word_embeddings_weight, Megatron-DeepSpeed's GPTModelPipe by TiedLayerSpec('embed'); the last pipeline
+    stage keeps its own copy) and Megatron's
     vocab-parallel cross entropy in fp32: logits stored 2 + 4 bytes each, about 24 bytes of traffic per
     logit (fp16 write, max, subtract, exp, sum, divide passes)."""
     s, f = seq, ffn or 4 * h
@@ -38,7 +40,7 @@ def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int, b: int = 1, 
         "num_nodes": GPT_BLOCK_NODES,
     }
     return _graph(f"gpt-h{h}-l{layers}", block, h=h, layers=layers, s=s, b=b, vocab=vocab,
-                  embed_params=(vocab + s) * h)
+                  embed_params=(vocab + s) * h, tied=vocab * h)
 
 
 def llama_graph(*, h: int, a: int, kv: int, ffn: int, layers: int, seq: int, vocab: int, b: int = 1) -> LayerGraph:
@@ -60,7 +62,8 @@ def llama_graph(*, h: int, a: int, kv: int, ffn: int, layers: int, seq: int, voc
     return _graph(f"llama-h{h}-l{layers}", block, h=h, layers=layers, s=s, b=b, vocab=vocab, embed_params=vocab * h)
 
 
-def _graph(name: str, block: dict, *, h: int, layers: int, s: int, b: int, vocab: int, embed_params: int) -> LayerGraph:
+def _graph(name: str, block: dict, *, h: int, layers: int, s: int, b: int, vocab: int, embed_params: int,
+           tied: int = 0) -> LayerGraph:
     tok = b * s
     out = [Layer(name="embed", kind="embed", role=LayerRole.EMBEDDING, index=0, fwd_matmul_flops=0.0,
                  fwd_attention_flops=0.0, fwd_elementwise_flops=float(tok * h), num_params=embed_params,
@@ -73,4 +76,5 @@ def _graph(name: str, block: dict, *, h: int, layers: int, s: int, b: int, vocab
                      param_bytes=2 * (vocab * h + 2 * h), activation_bytes=4 * tok * h + 6 * tok * vocab,
                      input_bytes=2 * tok * h, output_bytes=4 * b, bytes_moved=24 * tok * vocab,
                      num_nodes=HEAD_NODES))
-    return LayerGraph(model_name=name, layers=tuple(out), seq_len=s, microbatch=b, vocab_size=vocab)
+    return LayerGraph(model_name=name, layers=tuple(out), seq_len=s, microbatch=b, vocab_size=vocab,
+                      tied_embedding_params=tied)

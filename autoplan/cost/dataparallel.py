@@ -60,6 +60,7 @@ class Rank:
     fwd: float = 0.0
     bwd: float = 0.0
     weight: float = 0.0
+    recv_wait: float = 0.0  # blocking receives of an unbatched pipeline (Engine.pp_p2p_batched False): steady state only
     act_bytes: float = 0.0
     work_bytes: float = 0.0
     dense_params: float = 0.0
@@ -73,7 +74,7 @@ class Rank:
 
     @property
     def slot(self) -> float:
-        return self.fwd + self.bwd
+        return self.fwd + self.bwd + self.recv_wait
 
 
 def add_layers(rank: Rank, costs: Sequence[LayerCost], layers: Sequence[Layer]) -> None:

@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
-from autoplan.cluster.types import ClusterSpec
+from autoplan.cluster.types import ClusterSpec, DeviceSpec
 from autoplan.cost import comm
+from autoplan.cost.compute import H2D_SYNC_COPY_S
 from autoplan.cost.dataparallel import (
     DpGroups,
     Rank,
@@ -28,7 +30,7 @@ from autoplan.cost.memory import rank_memory, state_bytes_per_param
 from autoplan.cost.pipeline import pipeline_time_s
 from autoplan.cost.stages import check_config, check_stages
 from autoplan.cost.timeline import shared_cores_pipeline_time_s
-from autoplan.cost.types import LayerCost
+from autoplan.cost.types import GroupPlacement, LayerCost
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks, zero_layout
@@ -81,6 +83,42 @@ def adam_bytes_per_param(dtype: str, engine: Engine) -> float:
     return total
 
 
+# DeepSpeed v0.10.0 deepspeed/runtime/pipe/engine.py with tp > 1 (is_pipe_partitioned = is_grad_partitioned =
+# is_model_parallel) sends every activation and gradient as a PartitionedTensor (deepspeed/runtime/utils.py).
+# Per pipeline cut and microbatch, each side's work as (passes over the whole activation A, passes over its
+# 1/tp chunk c, all-gathers of A over tp, synchronising copies), a pass being a read or a write:
+# - the activation's sender, forward: _exec_forward_pass PartitionedTensor(first_output): narrow().clone() of
+#   its chunk (2c); to_meta(): torch.LongTensor(meta).to(device), a host-to-device copy that synchronises;
+# - its receiver, forward: _exec_recv_activations buffer.clone() (2c), _exec_forward_pass inputs clone() (2c),
+#   PartitionedTensor.from_meta: meta.tolist() (a device-to-host copy that synchronises), full(): torch.zeros
+#   of A (1A), copy_ of the local chunk (2c), dist.all_gather into a list of views (PyTorch's
+#   ProcessGroupNCCL::allgather gathers into a flat buffer and copies each chunk out: 2A), .clone() (2A);
+# - the activation's sender, backward: _exec_backward_pass from_meta + full() of its own output (zeroed after
+#   the send) and of the received gradient: twice (5A + 2c, 1 gather, 1 sync);
+# - its receiver, backward: _exec_send_grads PartitionedTensor(inputs.grad): clone of its chunk, to_meta.
+PARTITION_SEND_FWD = (0, 2, 0, 1)
+PARTITION_RECV_FWD = (5, 6, 1, 1)
+PARTITION_SEND_BWD = (10, 4, 2, 2)
+PARTITION_RECV_BWD = (0, 2, 0, 1)
+
+
+def partition_meta_bytes(tp: int) -> int:
+    """PartitionedTensor.to_meta's int64 tensor, sent before each chunk: [ndims, s, b, h, num_parts, rank,
+    partition (tp + 1 offsets)]."""
+    return 8 * (1 + 3 + 2 + tp + 1)
+
+
+def partitioned_role_s(role: tuple[int, int, int, int], chunk_bytes: Any, tp: Any, gather_s: Any,
+                       device: DeviceSpec, cpu: bool) -> Any:
+    """One side's PartitionedTensor work (a PARTITION_* role) for a chunk of chunk_bytes (1/tp of the
+    activation): its passes at streaming bandwidth, its all-gathers of the whole (gather_s each) and its
+    synchronising copies at H2D_SYNC_COPY_S + op_overhead_s each, as compute.py prices a block's (none on a
+    CPU profile). Numbers or numpy arrays."""
+    whole, chunk, gathers, syncs = role
+    sync = 0.0 if cpu else syncs * (H2D_SYNC_COPY_S + device.op_overhead_s)
+    return memory_time_s(device, chunk_bytes * (chunk + whole * tp)) + gathers * gather_s + sync
+
+
 def pp_recv_gather_s(chunk_bytes: float, config: ParallelConfig, cluster: ClusterSpec, engine: Engine) -> float:
     """What re-assembling one pipeline receive costs its rank under Megatron's scatter/gather (Narayanan et
     al. 2021 section 4.1; engine.pp_recv_all_gather): each tp rank was sent `chunk_bytes`, 1/tp of the
@@ -98,6 +136,71 @@ def pp_recv_gather_s(chunk_bytes: float, config: ParallelConfig, cluster: Cluste
     group = comm.group_placement(config, ("tp",), cluster.devices_per_node)
     copy = memory_time_s(cluster.device, 2.0 * whole) if engine.pp_recv_gather_copy else 0.0
     return comm.all_gather_s(whole, group, cluster) + copy
+
+
+def _add_hop(ranks: list[Rank], a: int, b: int, env_of: list[_Env], out_bytes: float, cluster: ClusterSpec,
+             config: ParallelConfig, engine: Engine) -> None:
+    """One pipeline cut between ranks a (sender of the activation) and b, per microbatch. Each tp rank sends
+    1/t (Narayanan et al. 2021 section 4.1, scatter/gather); between node groups over cluster.inter_group.
+    The sender's stream carries each transfer: a's forward the activation, b's backward the gradient. The
+    receiver re-assembles what it got over its tp group: b before its forward, a before its backward
+    (Engine.pp_recv_all_gather).
+
+    Unbatched p2p (Engine.pp_p2p_batched False): DeepSpeed v0.10.0 deepspeed/runtime/pipe/engine.py issues
+    each transfer as a blocking p2p.send / p2p.recv of its own (p2p.py: dist.send / dist.recv), in
+    schedule.py TrainSchedule.steps' order: a forward step runs SendGrad(previous microbatch), RecvActivation,
+    ForwardPass; a backward step RecvGrad, SendActivation(previous), BackwardPass. An ncclSend / ncclRecv
+    outside a group "is blocking for the GPU" until its peer's matching call runs (NCCL user guide, Point To
+    Point Communication Functions), and torch.distributed.send / recv wait for it on the compute stream
+    (ProcessGroupNCCL Work.wait), so in the steady state
+    a rank's slot also holds every transfer it receives: an inner rank 4 transfers per microbatch (2 when
+    batched), the end ranks 2. In the fill and drain each receive is the transfer the sender's slot already
+    carries along the chain, so the receives are steady-state time only (Rank.recv_wait, pipeline_time_s
+    steady_s). A rendezvous simulation of TrainSchedule (tests/unit/test_cost_p2p_unbatched.py) gives
+    (m + p - 1)(F + B) + (4m + 2p - 8) T for p >= 3, m >= 2 and uniform stages (T < F, B) and 2mT for
+    p = 2; this gives (4m + 2p - 4) T and (2m + 1) T. Batched (a8d172b3 Megatron-LM's 1F1B simulated the
+    same way): (2m + 2p - 5) T for p >= 3, m >= 3, and (m + 1) T for p = 2; this gives (2m + 2p - 4) T and
+    (m + 1) T."""
+    env_a, env_b = env_of[a], env_of[b]
+    inter = crosses_groups(cluster, config, a, b)
+    sizes = (out_bytes, partition_meta_bytes(config.tp)) if _partitioned(config, engine) else (out_bytes,)
+    hop = sum(link_p2p_s(n, cluster.inter_group) if inter else comm.p2p_s(n, env_a.pp_cross, env_a.view)
+              for n in sizes)  # a partitioned transfer: its meta tensor, then the chunk, each a p2p of its own
+    if _partitioned(config, engine):
+        _add_partitioned(ranks, a, b, env_of, out_bytes, config)
+    gather_fwd = pp_recv_gather_s(out_bytes, config, env_b.view, engine)
+    gather_bwd = pp_recv_gather_s(out_bytes, config, env_a.view, engine)
+    ranks[a].pp += hop + gather_bwd
+    ranks[a].fwd += hop
+    ranks[a].bwd += gather_bwd
+    ranks[b].pp += hop + gather_fwd
+    ranks[b].bwd += hop
+    ranks[b].fwd += gather_fwd
+    if not engine.pp_p2p_batched:
+        for k in (a, b):
+            ranks[k].recv_wait += hop
+            ranks[k].pp += hop
+
+
+def _partitioned(config: ParallelConfig, engine: Engine) -> bool:
+    return engine.pp_partitioned_tensors and config.tp > 1 and not config.sp
+
+
+def _add_partitioned(ranks: list[Rank], a: int, b: int, env_of: list[_Env], chunk_bytes: float,
+                     config: ParallelConfig) -> None:
+    """DeepSpeed's PartitionedTensor work around one cut (Engine.pp_partitioned_tensors, PARTITION_* roles):
+    a sends the activation and receives its gradient, b the reverse; the gathers over each side's tp group."""
+    for k, fwd_role, bwd_role in ((a, PARTITION_SEND_FWD, PARTITION_SEND_BWD), (b, PARTITION_RECV_FWD,
+                                                                             PARTITION_RECV_BWD)):
+        view = env_of[k].view
+        group = comm.group_placement(config, ("tp",), view.devices_per_node)
+        gather = comm.all_gather_s(chunk_bytes * config.tp, group, view)
+        cpu = bool(view.device.cpu_cores)
+        f = partitioned_role_s(fwd_role, chunk_bytes, config.tp, gather, view.device, cpu)
+        g = partitioned_role_s(bwd_role, chunk_bytes, config.tp, gather, view.device, cpu)
+        ranks[k].fwd += f
+        ranks[k].bwd += g
+        ranks[k].pp += f + g
 
 
 def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
@@ -132,25 +235,10 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     ranks = [Rank() for _ in range(p)]
     by_name = {layer.name: layer for layer in graph.layers}
     for i, names in enumerate(stages):
-        rank, env = ranks[placement[i]], env_of[placement[i]]
-        add_layers(rank, [env.costs[n] for n in names], [by_name[n] for n in names])
-        # Narayanan et al. 2021 section 4.1: each tp rank sends 1/t (scatter/gather); consecutive stages
-        # on one rank (the V's turn) hand over locally; between node groups over cluster.inter_group
+        add_layers(ranks[placement[i]], [env_of[placement[i]].costs[n] for n in names], [by_name[n] for n in names])
         if i + 1 < len(stages) and placement[i + 1] != placement[i]:
-            out_bytes = env.costs[names[-1]].output_bytes
-            hop = (link_p2p_s(out_bytes, cluster.inter_group)
-                   if crosses_groups(cluster, config, placement[i], placement[i + 1])
-                   else comm.p2p_s(out_bytes, env.pp_cross, env.view))
-            # the receiver re-assembles what it got over its tp group: the activation before its forward,
-            # the sender the gradient before its backward (Engine.pp_recv_all_gather)
-            gather_fwd = pp_recv_gather_s(out_bytes, config, env_of[placement[i + 1]].view, engine)
-            gather_bwd = pp_recv_gather_s(out_bytes, config, env.view, engine)
-            rank.pp += hop + gather_bwd
-            rank.fwd += hop
-            rank.bwd += gather_bwd
-            ranks[placement[i + 1]].pp += hop + gather_fwd
-            ranks[placement[i + 1]].bwd += hop
-            ranks[placement[i + 1]].fwd += gather_fwd
+            _add_hop(ranks, placement[i], placement[i + 1], env_of, env_of[placement[i]].costs[names[-1]].output_bytes,
+                     cluster, config, engine)
     deepspeed = config.zero == 3 and engine.zero3 == "deepspeed" and env_of[0].groups.dense.size > 1
     for rank, env in zip(ranks, env_of):
         if deepspeed:
@@ -158,14 +246,16 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
         else:
             rank_dp_times(rank, env.view, config, layout, engine, env.groups)
     pipe = pipeline_time_s(config.schedule, p, v, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
-                           [r.weight for r in ranks])
+                           [r.weight for r in ranks], [r.recv_wait for r in ranks])
     if cluster.device.cpu_cores and p > 1:  # CPU ranks sharing cores: a waiting pipeline rank frees its share
-        pipe = shared_cores_pipeline_time_s(config, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
+        pipe = shared_cores_pipeline_time_s(config, m, [r.fwd + r.recv_wait for r in ranks], [r.bwd for r in ranks],
                                             [r.weight for r in ranks], cores=cluster.device.cpu_cores,
                                             ranks=cluster.devices_per_node,
                                             oversubscribed=cluster.device.cpu_oversubscribed_efficiency)
     offsets = [sum(r.bwd for r in ranks[:k]) for k in range(p)]
-    dp_tail = max(0.0, max(r.dp_tail - off for r, off in zip(ranks, offsets)))
+    tied = (tied_grad_reduce_s(graph, config, env_of[placement[-1]].view, engine, env_of[0].pp_cross)
+            if placement[-1] != placement[0] else 0.0)
+    dp_tail = step_tail_s([r.dp_tail for r in ranks], offsets, placement[-1], tied, engine.tied_reduce_before_dp)
     param_gather = max(r.param_gather for r in ranks)
     optimizer = max(_optimizer_s(r, env.view, config, layout, engine) for r, env in zip(ranks, env_of))
     step = pipe + dp_tail + param_gather + optimizer
@@ -183,6 +273,43 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
         mem_capacity_bytes=capacity, fits=peak.total_bytes <= capacity,
         breakdown=breakdown, memory=peak, model_flops=model_flops, hardware_flops=hardware_flops,
     )
+
+
+def tied_grad_reduce_s(graph: LayerGraph, config: ParallelConfig, cluster: ClusterSpec, engine: Engine,
+                       crosses_nodes: bool) -> float:
+    """The once-per-step all-reduce of a tied head's gradient between the first and the last pipeline stage
+    (graph.tied_embedding_params, V x h): each holds the vocab-parallel word embedding, V/tp x h elements
+    per tp rank, and sums its gradient with the other over their 2-rank group, in the gradient's reduce
+    dtype (grad_wire_bytes). DeepSpeed v0.10.0 deepspeed/runtime/pipe/engine.py _exec_reduce_tied_grads:
+    dist.all_reduce(weight.grad, or weight._hp_grad (fp32) under bf16) over module.py _index_tied_modules'
+    group of the tied stages (per data and model rank); Megatron-LM a8d172b3 megatron/training.py train_step:
+    torch.distributed.all_reduce(word_embeddings_weight.main_grad, group=mpu.get_embedding_group()), the
+    first and last stage. The two cross nodes when the pipeline group does. Zero when untied or pp == 1."""
+    if not graph.tied_embedding_params or config.pp == 1:
+        return 0.0
+    nbytes = graph.tied_embedding_params / config.tp * grad_wire_bytes(cluster.dtype, engine)
+    return comm.all_reduce_s(nbytes, tied_pair(crosses_nodes), cluster)
+
+
+def tied_pair(crosses_nodes: bool) -> GroupPlacement:
+    """The 2-rank group of the first and the last pipeline stage (one member per node when it crosses)."""
+    return GroupPlacement(size=2, num_nodes=2 if crosses_nodes else 1, per_node=1 if crosses_nodes else 2)
+
+
+def step_tail_s(dp_tails: list[float], offsets: list[float], last: int, tied: float, before_dp: bool) -> float:
+    """What the step runs past the pipeline: rank r finishes its last backward offsets[r] before rank 0 (the
+    first stage, offset 0), then its exposed gradient reduction dp_tails[r]; the latest end counts. A tied
+    all-reduce (`tied` seconds) joins rank 0 and rank `last` (the last stage): before their reductions, it
+    starts when both are done with the pipeline (DeepSpeed: TrainSchedule's ReduceTiedGrads, then ReduceGrads),
+    else when both are done with their reductions (Megatron's train_step)."""
+    ends = [t - off for t, off in zip(dp_tails, offsets)]
+    if tied > 0:
+        if before_dp:
+            start = max(-offsets[0], -offsets[last]) + tied
+            ends[0], ends[last] = start + dp_tails[0], start + dp_tails[last]
+        else:
+            ends[0] = ends[last] = max(ends[0], ends[last]) + tied
+    return max(0.0, max(ends))
 
 
 @dataclass(slots=True)
@@ -256,4 +383,5 @@ def _flops(graph: LayerGraph, config: ParallelConfig, global_batch: int,
 
 
 __all__ = ["ADAM_BYTES_PER_PARAM", "GRAD_REDUCE_BYTES", "UNFUSED_ADAM_BYTES_PER_PARAM", "DpGroups",
-           "adam_bytes_per_param", "estimate_config", "grad_wire_bytes", "pp_recv_gather_s"]
+           "adam_bytes_per_param", "estimate_config", "grad_wire_bytes", "pp_recv_gather_s", "step_tail_s",
+           "tied_grad_reduce_s", "tied_pair"]

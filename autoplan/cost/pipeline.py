@@ -50,7 +50,8 @@ def _bubble_term(schedule: Schedule, v: int, fwd_bwd: float, weight: float) -> f
 
 
 def pipeline_time_s(schedule: Schedule | str, p: int, v: int, m: int, fwd_s: Sequence[float],
-                    bwd_s: Sequence[float], bwd_weight_s: Sequence[float] | None = None) -> float:
+                    bwd_s: Sequence[float], bwd_weight_s: Sequence[float] | None = None,
+                    steady_s: Sequence[float] | None = None) -> float:
     """Time for p ranks to run m microbatches forward and backward.
 
     fwd_s, bwd_s, bwd_weight_s: per microbatch, per pipeline rank (length p, a rank's v chunks summed)
@@ -60,15 +61,21 @@ def pipeline_time_s(schedule: Schedule | str, p: int, v: int, m: int, fwd_s: Seq
     this is m X + (p - 1) Y / v': (m + p - 1)(F + B) for GPipe and 1F1B (Narayanan et al. 2021),
     m X + (p - 1) X / v for interleaved 1F1B, and Qi et al. 2024's ZB-H1 / ZB-V bubbles, v' = v for
     interleaved and zero bubble, 1 otherwise; for heterogeneous stages the fill and drain pass
-    through every rank once while the steady state runs at the slowest rank."""
+    through every rank once while the steady state runs at the slowest rank.
+
+    steady_s (additive, per rank or stage): time in a rank's slot that only the steady state pays, not the
+    fill and drain: X_r grows by it, Y_r does not. An unbatched pipeline's blocking receives (cost/estimate.py
+    unbatched_p2p) are such time: in the fill and drain a receive waits for the same transfer the sender's
+    slot already carries along the chain."""
     _check(p, v, m)
     schedule = _schedule(schedule)
     fwd = _per_rank(fwd_s, p, v, "fwd_s")
     bwd = _per_rank(bwd_s, p, v, "bwd_s")
     weight = _per_rank(bwd_weight_s, p, v, "bwd_weight_s") if bwd_weight_s is not None else [0.0] * p
+    steady = _per_rank(steady_s, p, v, "steady_s") if steady_s is not None else [0.0] * p
     x = [f + b for f, b in zip(fwd, bwd)]
     y = [_bubble_term(schedule, v, xi, w) for xi, w in zip(x, weight)]
-    return m * max(x) + (sum(y) - max(y)) / _chunks(schedule, v)
+    return m * max(xi + e for xi, e in zip(x, steady)) + (sum(y) - max(y)) / _chunks(schedule, v)
 
 
 def _per_rank(values: Sequence[float], p: int, v: int, name: str) -> list[float]:

@@ -83,6 +83,7 @@ def capture(
         microbatch=microbatch,
         dtype_bytes=torch.empty((), dtype=dtype).element_size(),
         vocab_size=vocab,
+        tied_embedding_params=layers.tied_embedding_params(shadow),
         num_nodes=sum(layer.num_nodes for layer in built),
         capture_method=method,
         notes=tuple(notes),

@@ -284,3 +284,11 @@ def module_topk(model: nn.Module, paths: list[str]) -> int:
         if isinstance(value, int) and value > 0:
             return value
     return 0
+
+
+def tied_embedding_params(model: nn.Module) -> int:
+    """Elements of an nn.Embedding's weight that an nn.Linear also uses as its weight (a head tied to the
+    token embedding, e.g. Hugging Face tie_word_embeddings), 0 when none is (LayerGraph.tied_embedding_params)."""
+    embeddings = {id(m.weight): m.weight.numel() for m in model.modules() if isinstance(m, nn.Embedding)}
+    return next((embeddings[id(m.weight)] for m in model.modules()
+                 if isinstance(m, nn.Linear) and id(m.weight) in embeddings), 0)

@@ -81,6 +81,10 @@ class LayerGraph:
     microbatch: int
     dtype_bytes: int = 2  # bytes per element of parameters and activations as captured/trained
     vocab_size: int = 0
+    # elements of the head's output projection that are the token embedding's own weight (V x h when the
+    # head is tied to the embedding, 0 when untied): with a pipeline the first and the last stage each hold
+    # it and all-reduce its gradient once per step (cost.estimate.tied_grad_reduce_s)
+    tied_embedding_params: int = 0
     num_nodes: int = 0  # graph nodes captured (for reporting)
     capture_method: str = ""  # "export", "symbolic_trace", ...
     # the shape of one sample of the model's first input as captured (batch dimension dropped): (seq_len,)

@@ -64,6 +64,9 @@ class Engine:
     dp_overlap_grad_passes: int = 0  # ... the same when the all-reduce overlaps the backward (dp_comm_overlap: bucket copy-in, copy back)
     pp_recv_all_gather: bool = False  # each pipeline receive (activation forward, gradient backward) is all-gathered over tp from the 1/tp chunks the tp ranks were sent (Megatron's scatter/gather); no SP
     pp_recv_gather_copy: bool = False  # ... into a list of chunk views (torch.distributed.all_gather), which copies each chunk out of NCCL's flat output
+    pp_p2p_batched: bool = True  # a pipeline rank's send and receive of one slot go out together (batch_isend_irecv: torch.distributed.pipelining, Megatron); False: each is a blocking send or recv of its own in the schedule's order (DeepSpeed's PipelineEngine), so a rank's stream also waits out each transfer it receives (cost/estimate.py)
+    pp_partitioned_tensors: bool = False  # with tp > 1 each pipeline transfer is DeepSpeed's PartitionedTensor: a 1/tp chunk plus a meta tensor, re-gathered over tp by the receiver, and the sender re-gathers its own output before the backward (cost/estimate.py partitioned_role_s); no SP
+    tied_reduce_before_dp: bool = False  # a head tied to the embedding (LayerGraph.tied_embedding_params) on another pipeline rank: its gradient all-reduce between the first and last stage runs before the data-parallel reduction (DeepSpeed's ReduceTiedGrads), else after it (Megatron's train_step)
     fused_adam: bool = False  # one fused multi-tensor Adam kernel (apex / DeepSpeed FusedAdam) instead of torch.optim.AdamW's per-op passes
     separate_qkv_projections: bool = True  # Q, K and V from three linears (wq, wk, wv), not one fused QKV GEMM (cost/projections.py)
     recompute_early_stop: bool = True  # full recompute through torch's non-reentrant checkpoint, which stops after the last saved tensor: the MLP output GEMM is not re-run (cost/projections.py)

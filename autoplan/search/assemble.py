@@ -27,6 +27,7 @@ from autoplan.cost.overlap import contention_fraction
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+from autoplan.search.pipeline_terms import pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, int_codes, per_mesh, price_rows
 from autoplan.search.space import RECOMPUTES, SCHEDULES
 
@@ -135,8 +136,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
-    hops = (extra["hops"] * (collective_p2p(extra["out_bytes"], c, cluster, sizes)
-                             + _recv_gather(extra["out_bytes"], c, cluster, sizes, engine))[:, None] if pp > 1 else 0.0)
+    hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp)
 
     def per_layer(kind: str, elem_bytes: float) -> np.ndarray:  # one rank's layers' collectives, summed
         d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
@@ -170,41 +170,15 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, frac)
     x = f["time"] + hops + dp_f + dp_b
-    pipe = _pipeline(x, f["bwd_weight"], c, m, v)
+    pipe = _pipeline(x, f["bwd_weight"], c, m, v, steady)
+    tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
     step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
-                             dense, expert, wire, w, cluster, copy_in + ddp, async_tail) + _optimizer(f, c, lay, cluster, engine)
+                             dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
+                             int(extra.get("last_rank", pp - 1))) + _optimizer(f, c, lay, cluster, engine)
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
     mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return step, mem, acts
-
-
-def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec,
-                   sizes: Mesh | None = None) -> np.ndarray:
-    """cost.comm.p2p_s of the activation a pipeline cut sends, on the link the pp group crosses (each
-    distinct (mesh, bytes) priced once)."""
-    mesh = sizes if sizes is not None else mesh_sizes(c)
-
-    def crosses(row: tuple[int, ...]) -> bool:
-        pp, dp, ep, cp, tp = row[:5]  # the pp group's placement reads MESH_AXIS_ORDER's five
-        cfg = ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
-        return comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes
-
-    return price_rows(mesh, np.round(out_bytes), crosses, lambda b, cross: comm.p2p_s(b, cross, cluster),
-                      ("pp-crosses", "p2p"), skip_nonpositive=False)
-
-
-def _recv_gather(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
-                 engine: Engine) -> np.ndarray:
-    """cost.estimate.pp_recv_gather_s per candidate: the tp all-gather (and the copy out of a list gather)
-    that re-assembles each pipeline receive; one per hop on each side, as the p2p itself."""
-    if not engine.pp_recv_all_gather:
-        return np.zeros(len(out_bytes))
-    whole = np.asarray(out_bytes, dtype=float) * c["tp"]
-    t = collective_s("ag", sizes, ("tp",), whole, cluster)
-    if engine.pp_recv_gather_copy:
-        t = t + memory_time_s(cluster.device, 2.0 * whole)
-    return np.where((c["tp"] > 1) & (c["sp"] == 0) & (whole > 0), t, 0.0)
 
 
 def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
@@ -281,20 +255,21 @@ def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers):
     return gather * modules, gather * modules * (gathers - 1.0) + exposed_red, hidden
 
 
-def _pipeline(x, weight, c, m, v):
-    """cost.pipeline.pipeline_time_s over [n, p]: m max_r X_r + (sum_r Y_r - max_r Y_r) / v'."""
+def _pipeline(x, weight, c, m, v, steady=0.0):
+    """cost.pipeline.pipeline_time_s over [n, p]: m max_r (X_r + steady_r) + (sum_r Y_r - max_r Y_r) / v'."""
     zb = (c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE))[:, None]
     y = np.where(zb, np.maximum(x - (2.0 if v == 1 else 3.0) * weight, 0.0), x)
     chunks = np.where((c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED)) | zb[:, 0], v, 1)
-    return m * x.max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
+    return m * (x + steady).max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
 
 
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac, sizes, dense, expert, wire, w,
-               cluster, copy_in, async_tail) -> np.ndarray:
+               cluster, copy_in, async_tail, tied, last_rank) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
     sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
-    cost.dataparallel.async_reduce_s), and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
+    cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (tied_tail),
+    and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
         tail = _exposed(bwd_all, 0.0 * reduce, reduce, layers, True, True, frac)
@@ -305,9 +280,9 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac
         tail = np.where(lay["reduce_scatter"][:, None] > 0, d, a) + e
     tail = tail + copy_in
     offsets = np.cumsum(bwd_all, axis=1) - bwd_all
-    per_rank = np.where(once, tail, async_tail)
-    dp_tail = np.where(once[:, 0] | (async_tail > 0).any(axis=1),
-                       np.maximum((per_rank - offsets).max(axis=1), 0.0), 0.0)
+    active = (once[:, 0] | (async_tail > 0).any(axis=1))[:, None]
+    per_rank = np.where(active, np.where(once, tail, async_tail), 0.0)
+    dp_tail = tied_tail(per_rank, offsets, tied, last_rank, engine.tied_reduce_before_dp)
     step_gather = lay["weight_gathers_per_step"][:, None] > 0
     if engine.param_gather_overlap:
         pg = _exposed(fwd, gather, 0.0 * gather, layers, True, True, frac) + copy_out

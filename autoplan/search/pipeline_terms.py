@@ -1,0 +1,114 @@
+"""The quick estimate's pipeline communication over [candidates, pipeline ranks] arrays, from the exact model's
+own functions (cost.estimate._add_hop, tied_grad_reduce_s, step_tail_s): each cut's p2p and what the engine
+does around it (Megatron's scatter/gather re-assembly, DeepSpeed's PartitionedTensor, blocking receives of an
+unbatched pipeline), and the tied head's gradient all-reduce between the first and the last stage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from autoplan.cluster.types import ClusterSpec
+from autoplan.cost import comm
+from autoplan.cost.estimate import (
+    PARTITION_RECV_BWD,
+    PARTITION_RECV_FWD,
+    PARTITION_SEND_BWD,
+    PARTITION_SEND_FWD,
+    partition_meta_bytes,
+    partitioned_role_s,
+    tied_pair,
+)
+from autoplan.cost.kernels import memory_time_s
+from autoplan.plan.engine import Engine
+from autoplan.plan.types import ParallelConfig
+from autoplan.search.pricing import Mesh, config_of, price_rows
+
+
+def _pp_crosses(cluster: ClusterSpec):
+    def crosses(row: tuple[int, ...]) -> bool:
+        pp, dp, ep, cp, tp = row[:5]  # the pp group's placement reads MESH_AXIS_ORDER's five
+        cfg = ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
+        return comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes
+    return crosses
+
+
+def collective_p2p(out_bytes: np.ndarray, sizes: Mesh, cluster: ClusterSpec) -> np.ndarray:
+    """cost.comm.p2p_s of the activation a pipeline cut sends, on the link the pp group crosses (each
+    distinct (mesh, bytes) priced once)."""
+    return price_rows(sizes, np.round(out_bytes), _pp_crosses(cluster), lambda b, cross: comm.p2p_s(b, cross, cluster),
+                      ("pp-crosses", "p2p"), skip_nonpositive=False)
+
+
+def _tp_gather(whole: np.ndarray, sizes: Mesh, cluster: ClusterSpec) -> np.ndarray:
+    """comm.all_gather_s of `whole` bytes over each candidate's tp group (assemble.collective_s's prices)."""
+    def place(row: tuple[int, ...]) -> Any:
+        return comm.group_placement(config_of(row), ("tp",), cluster.devices_per_node)
+    return price_rows(sizes, np.round(whole), place, lambda b, group: comm.all_gather_s(b, group, cluster),
+                      (("tp",), "ag"))
+
+
+def _recv_gather(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
+                 engine: Engine) -> np.ndarray:
+    """cost.estimate.pp_recv_gather_s per candidate: the tp all-gather (and the copy out of a list gather)
+    that re-assembles each pipeline receive; one per hop on each side, as the p2p itself."""
+    if not engine.pp_recv_all_gather:
+        return np.zeros(len(out_bytes))
+    whole = np.asarray(out_bytes, dtype=float) * c["tp"]
+    t = _tp_gather(whole, sizes, cluster)
+    if engine.pp_recv_gather_copy:
+        t = t + memory_time_s(cluster.device, 2.0 * whole)
+    return np.where((c["tp"] > 1) & (c["sp"] == 0) & (whole > 0), t, 0.0)
+
+
+def pipeline_hops(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
+                  engine: Engine, pp: int) -> tuple[Any, Any]:
+    """(each rank's per-microbatch pipeline communication in its slot [n, p], the part only the steady state
+    pays [n, p]), as cost.estimate._add_hop: each cut's p2p (with DeepSpeed's PartitionedTensor its meta
+    tensor too) and re-assembly on both sides, and for an unbatched pipeline each receive again, steady only."""
+    if pp == 1:
+        return 0.0, 0.0
+    out_bytes = np.asarray(extra["out_bytes"], dtype=float)
+    part = engine.pp_partitioned_tensors & (c["tp"] > 1) & (c["sp"] == 0)
+    p2p = collective_p2p(out_bytes, sizes, cluster)
+    if engine.pp_partitioned_tensors:
+        p2p = p2p + np.where(part, collective_p2p(partition_meta_bytes(c["tp"]).astype(float), sizes, cluster), 0.0)
+    hops = extra["hops"] * (p2p + _recv_gather(out_bytes, c, cluster, sizes, engine))[:, None]
+    steady = extra["hops"] * p2p[:, None] if not engine.pp_p2p_batched else 0.0
+    if engine.pp_partitioned_tensors:
+        gather, cpu = _tp_gather(out_bytes * c["tp"], sizes, cluster), bool(cluster.device.cpu_cores)
+        role = lambda r: partitioned_role_s(r, out_bytes, c["tp"], gather, cluster.device, cpu)
+        send = np.where(part, role(PARTITION_SEND_FWD) + role(PARTITION_SEND_BWD), 0.0)
+        recv = np.where(part, role(PARTITION_RECV_FWD) + role(PARTITION_RECV_BWD), 0.0)
+        hops = hops + extra["act_sends"] * send[:, None] + extra["act_recvs"] * recv[:, None]
+    return hops, steady
+
+
+def tied_reduce(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh, wire: float,
+                pp: int) -> np.ndarray:
+    """cost.estimate.tied_grad_reduce_s per candidate: the tied head's V/tp x h gradient all-reduced between
+    the first and the last stage (a 2-rank group across nodes when the pp group crosses them), when they run
+    on different ranks (extra["last_rank"], the last stage's rank, is not 0)."""
+    tied = float(extra.get("tied", 0))
+    if not tied or pp == 1 or int(extra.get("last_rank", pp - 1)) == 0:
+        return np.zeros(len(c["tp"]))
+    crosses = _pp_crosses(cluster)
+    return price_rows(sizes, tied / c["tp"] * wire, lambda row: tied_pair(crosses(row)),
+                      lambda b, g: comm.all_reduce_s(b, g, cluster), ("tied-pair", "ar"))
+
+
+def tied_tail(per_rank: np.ndarray, offsets: np.ndarray, tied: np.ndarray, last: int, before_dp: bool) -> np.ndarray:
+    """cost.estimate.step_tail_s over [n, p]: the latest end past the pipeline, rank r's reduction per_rank[r]
+    starting offsets[r] early, the tied all-reduce joining rank 0 and rank `last` before or after theirs."""
+    ends = per_rank - offsets
+    if last > 0 and np.any(tied > 0):
+        if before_dp:
+            start = np.maximum(-offsets[:, 0], -offsets[:, last]) + tied
+            first_end, last_end = start + per_rank[:, 0], start + per_rank[:, last]
+        else:
+            first_end = last_end = np.maximum(ends[:, 0], ends[:, last]) + tied
+        ends[:, 0] = np.where(tied > 0, first_end, ends[:, 0])
+        ends[:, last] = np.where(tied > 0, last_end, ends[:, last])
+    return np.maximum(ends.max(axis=1), 0.0)
