@@ -138,7 +138,8 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     the all-gather is split into chunks that overlap the GEMM consuming them, the reduce-scatter the GEMM
     producing them; Megatron requires --sequence-parallel for it): each phase's TP communication hides
     behind that phase's weight GEMMs, exposing max(0, comm - GEMMs), and the GEMMs run slower while the
-    communication occupies SMs (overlap.contention_fraction of the hidden part).
+    communication occupies SMs (overlap.contention_fraction of the tp group's communicator, of the hidden
+    part).
 
     engine.tp_bwd_overlap (Megatron-LM from 2021-09, megatron/mpu/layers.py
     LinearWithGradAccumulationAndAsyncCommunication.backward: `handle = torch.distributed.all_reduce(
@@ -157,7 +158,7 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
         # an early-stopping recompute ends before the MLP output projection and its reduction (projections.py)
         skip = reduce if engine.recompute_early_stop and not shape.num_experts else 0.0
         rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
-        f = contention_fraction(cluster)
+        f = contention_fraction(cluster, group)  # the tp communicator's NCCL channels (overlap.nccl_channels)
         if engine.tp_comm_overlap and config.sp:
             fwd, bwd, rec = (max(c - g, 0.0) + f * min(c, g) for c, g in
                              ((fwd, times.gemm_fwd_s), (bwd, times.gemm_bwd_s), (rec, times.gemm_fwd_s)))

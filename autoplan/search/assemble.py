@@ -131,20 +131,22 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
     w, g, o = state_bytes_per_param(cluster.dtype, engine)
     wire = grad_wire_bytes(cluster.dtype, engine)
-    frac = contention_fraction(cluster)
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
     hops = (extra["hops"] * (collective_p2p(extra["out_bytes"], c, cluster, sizes)
                              + _recv_gather(extra["out_bytes"], c, cluster, sizes, engine))[:, None] if pp > 1 else 0.0)
 
-    def per_layer(kind: str, elem_bytes: float) -> np.ndarray:  # one rank's layers' collectives, summed
+    def per_layer(kind: str, elem_bytes: float) -> tuple[np.ndarray, np.ndarray]:  # a rank's layers' collectives
         d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
         e = collective_s(kind, sizes, expert_axes, expert / layers * elem_bytes, cluster) * layers
-        return d + e
+        return d, e
 
-    gather = per_layer("ag", w)
-    rs_or_ar = np.where(lay["reduce_scatter"][:, None] > 0, per_layer("rs", wire), per_layer("ar", wire))
+    (gather_d, gather_e), scatter = per_layer("ag", w), lay["reduce_scatter"][:, None] > 0
+    (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", wire), per_layer("ar", wire)
+    red_d, red_e = np.where(scatter, rs_d, ar_d), np.where(scatter, rs_e, ar_e)
+    gather, rs_or_ar = gather_d + gather_e, red_d + red_e
+    frac, dense_frac = dp_fractions(sizes, cluster, gather_d + red_d, gather_e + red_e)
     reduce = _bucketed_reduce(rs_or_ar, dense + expert, layers, sizes, lay, wire, cluster, engine)
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
     # dataparallel.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
@@ -168,7 +170,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
     dp_b = np.where(asyn, per_mb + copy_in, dp_b)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
-    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, frac)
+    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac)
     x = f["time"] + hops + dp_f + dp_b
     pipe = _pipeline(x, f["bwd_weight"], c, m, v)
     step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
@@ -177,6 +179,20 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
         step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
     mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return step, mem, acts
+
+
+def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_s: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """cost.dataparallel.dp_fraction per [candidate, rank] (overlap.mixed_fraction's weighted mean of the
+    dense and expert groups' contention_fraction, by their per-layer collective seconds `dense_s`,
+    `expert_s`), and the dense group's own (DeepSpeed's stage 3 prices it alone)."""
+    per_node = cluster.devices_per_node
+    fd = per_mesh(sizes, lambda config: contention_fraction(
+        cluster, comm.group_placement(config, ("dp", "ep", "cp"), per_node)))[:, None]
+    fe = per_mesh(sizes, lambda config: contention_fraction(cluster, expert_dp_placement(config, per_node)))[:, None]
+    total = dense_s + expert_s
+    mixed = (fd * dense_s + fe * expert_s) / np.where(total > 0, total, 1.0)
+    return np.where(expert_s > 0, mixed, fd + 0.0 * total), fd
 
 
 def collective_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec,
