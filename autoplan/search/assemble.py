@@ -161,7 +161,12 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
                       + copy_out, 0.0)
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
-    dp_b = _exposed(bwd, pre_b, post_b, layers, engine.param_gather_overlap, engine.dp_comm_overlap, frac)
+    # reductions alone run one collective per filled bucket (at most one per layer, dataparallel._bucketed),
+    # each hidden by the backward after it: the closed form over that many equal units; with per-layer
+    # gathers beside them, over the layers
+    units = np.minimum(_bucket_count(dense + expert, layers, engine.dp_bucket_numel), layers)
+    dp_b = _exposed(bwd, pre_b, post_b, np.where(gmb >= 1, layers, units), engine.param_gather_overlap,
+                    engine.dp_comm_overlap, frac)
     dp_b = np.where((gmb >= 1) | every,
                     dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
     # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
@@ -173,7 +178,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac)
     x = f["time"] + hops + dp_f + dp_b
     pipe = _pipeline(x, f["bwd_weight"], c, m, v)
-    step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
+    step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
                              dense, expert, wire, w, cluster, copy_in + ddp, async_tail) + _optimizer(f, c, lay, cluster, engine)
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
@@ -305,7 +310,7 @@ def _pipeline(x, weight, c, m, v):
     return m * x.max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
 
 
-def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac, sizes, dense, expert, wire, w,
+def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire, w,
                cluster, copy_in, async_tail) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
     sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
@@ -313,7 +318,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac
     cost.dataparallel.async_reduce_s), and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
-        tail = _exposed(bwd_all, 0.0 * reduce, reduce, layers, True, True, frac)
+        tail = _exposed(bwd_all, 0.0 * reduce, reduce, units, True, True, frac)  # per filled bucket, as dp_b
     else:
         d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
         a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
