@@ -53,11 +53,11 @@ def nccl_channels(group: GroupPlacement | None, cluster: ClusterSpec) -> int:
     over `group`: device.nccl_sms inside one node (the profile's intra-node count: 6 NVLink rings, duplicated
     and Postset-doubled to 24 on DGX A100 / H100), cross_node_channels across nodes when the profile gives
     the device's compute_capability and the inter-node link's nccl_path_bw_bytes_per_s (else nccl_sms). None
-    stands for a group inside one node. Zero without SM counts (a CPU profile) or for a group of one.
+    stands for a group inside one node. Zero without NCCL channels (a CPU profile) or for a group of one.
     Messages below channels x 512 threads x 64 B run on fewer channels (enqueue.cc topoGetAlgoInfo): not
     modelled, every collective is charged its communicator's full count."""
     device = cluster.device
-    if device.num_sms <= 0 or device.nccl_sms <= 0 or (group is not None and group.size <= 1):
+    if device.nccl_sms <= 0 or (group is not None and group.size <= 1):
         return 0
     path = cluster.inter_node.nccl_path_bw_bytes_per_s
     if group is None or not group.crosses_nodes or path <= 0 or device.compute_capability <= 0:
@@ -72,7 +72,7 @@ def contention_fraction(cluster: ClusterSpec, group: GroupPlacement | None = Non
     "Compute-Communication Overlap Causes Severe GEMM Performance Degradation because of Tail Effect").
     group None: a communicator inside one node (device.nccl_sms). Zero without SM counts (a CPU profile)."""
     channels = nccl_channels(group, cluster)
-    if channels <= 0:
+    if channels <= 0 or cluster.device.num_sms <= 0:
         return 0.0
     return min(channels / cluster.device.num_sms, 1.0)
 

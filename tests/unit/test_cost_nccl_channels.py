@@ -103,3 +103,15 @@ def test_quick_and_exact_move_alike_when_the_dp_group_crosses_nodes() -> None:
             assert d_exact > 0, configs[r]
             assert d_quick[r] == pytest.approx(d_exact, rel=0.12), configs[r]
     assert np.all(d_quick >= -1e-12)
+
+
+def test_nccl_buffers_follow_each_communicators_channels() -> None:
+    """NCCL_BUFFSIZE (4 MiB) each way per channel of each communicator: on 2 DGX A100 nodes, tp = 8 inside a
+    node (24 channels) and dp = 2 across them, one GPU of it per node (2 channels); with pp = 2 instead of
+    dp the pipeline's communicator is counted at nccl_sms (24)."""
+    from autoplan.cost.memory import NCCL_BUFFER_BYTES, nccl_buffer_bytes
+
+    two = Cluster.load("dgx-a100-80gb", num_nodes=2)
+    assert nccl_buffer_bytes(ParallelConfig(tp=8, dp=2), two) == 2 * (24 + 2) * NCCL_BUFFER_BYTES
+    assert nccl_buffer_bytes(ParallelConfig(tp=8, pp=2), two) == 2 * (24 + 24) * NCCL_BUFFER_BYTES
+    assert nccl_buffer_bytes(ParallelConfig(tp=8, dp=2), Cluster.load("local-cpu", num_nodes=2)) == 0.0
