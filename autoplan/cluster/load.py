@@ -39,7 +39,7 @@ _FRACTIONS = frozenset(
         "p2p_bw_fraction",
     }
 )
-_INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes", "num_sms", "nccl_sms"})
+_INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes", "num_sms", "nccl_sms", "compute_capability"})
 _BOOLEANS = frozenset({"gemm_epilogue_overlap"})
 
 

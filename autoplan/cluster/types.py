@@ -47,9 +47,14 @@ class DeviceSpec:
     # tiles and FlashAttention blocks are scheduled over them in waves (NVIDIA "Matrix Multiplication
     # Background User's Guide", section 3.2 wave quantization)
     num_sms: int = 0
-    # SMs one in-flight NCCL collective occupies (one thread block per channel): compute overlapped with it
-    # runs on the others (0: no contention modelled)
+    # SMs one in-flight NCCL collective of a communicator inside one node occupies (one thread block per
+    # channel): compute overlapped with it runs on the others (0: no contention modelled). Communicators
+    # across nodes get their own count (cost/overlap.nccl_channels, from compute_capability and the inter-node
+    # link's nccl_path_bw_bytes_per_s)
     nccl_sms: int = 0
+    # CUDA compute capability x 10 (80: A100, 90: H100 / H200): NCCL's comm->minCompCap, which selects its
+    # per-architecture channel rules (0: unknown, cross-node channels then fall back to nccl_sms)
+    compute_capability: int = 0
     # GEMM kernels overlap a tile's epilogue (the C write) with the next tile's mainloop (persistent,
     # warp-specialised kernels: CUTLASS 3 / cuBLAS on Hopper); False: the C traffic adds (one tile per SM)
     gemm_epilogue_overlap: bool = False
@@ -78,6 +83,11 @@ class LinkSpec:
     base_latency_s: float = 0.0
     # NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws; 0 = no cap)
     ll_max_bw_bytes_per_s: float = 0.0
+    # inter-node link: the bandwidth NCCL's topology gives one GPU's path to its NIC, min(PCIe link
+    # width x GT/s / 80, NIC speed), in bytes/s (src/graph/topo.cc); its topology search fits one ring per
+    # such path and sizes the cross-node communicator's channels from it (cost/overlap.nccl_channels).
+    # 0 = unknown (cross-node channels fall back to DeviceSpec.nccl_sms)
+    nccl_path_bw_bytes_per_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -19,6 +19,7 @@ from autoplan.cost.kernels import (
 )
 from autoplan.cost.passes import SOFTMAX_FALLBACK_BWD_OPS, SOFTMAX_FALLBACK_FWD_OPS, block_pass_bytes
 from autoplan.cost.projections import early_stop_skip_s, op_selective_recompute_s, split_qkv
+from autoplan.cost.userbuffers import margin_extra_s
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import expert_tp_split
@@ -163,6 +164,10 @@ class ComputeTimes:
     # which runs the same code), after max(device, host): the copies' latency and the drained queue's
     # idle device (Engine.block_forward_syncs, H2D_SYNC_COPY_S)
     sync_fwd_s: float = 0.0
+    # Engine.tp_overlap_margin_sms: the seconds the GEMMs TE's userbuffers narrow lose, forward and backward
+    # (cost/userbuffers.margin_extra_s; zero unless that overlap runs)
+    margin_fwd_s: float = 0.0
+    margin_bwd_s: float = 0.0
 
 
 def expert_divisor(config: ParallelConfig, engine: Engine | None = None) -> int:
@@ -309,7 +314,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     (projections.op_selective_recompute_s) and every memory-bound op of the forward, the engine's passes
     included; a full recompute under engine.recompute_early_stop skips the MLP output GEMM and the residual
     add after it (projections.early_stop_skip_s). engine.separate_qkv_projections prices Q, K and V as
-    three GEMMs (projections.split_qkv).
+    three GEMMs (projections.split_qkv). Under engine.tp_comm_overlap with SP and a tp_overlap_margin_sms, a
+    dense block also reports what its margin-narrowed GEMMs lose (userbuffers.margin_extra_s; layer.py adds it).
 
     Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
     fully recomputed block its forward's again, and the activation-checkpoint wrapper around it
@@ -334,7 +340,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         dx_s = dw_s = mm_s
         elementwise_bytes = _fallback_bytes(layer, dtype_bytes) * scale / (t if layer.role is LayerRole.HEAD else 1)
         score_bytes = 0.0
-        wgrad_column = ()
+        wgrad_column, margin = (), (0.0, 0.0)
     else:
         groups = _block_gemm_groups(shape, tokens, total_mm, expert_mm, config, expert_div)
         if engine.separate_qkv_projections:  # wq, wk, wv as three GEMMs (cost/projections.py)
@@ -346,6 +352,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         dw_s = sum(dws)
         qkv_dw = dws[0] + (dws[-1] if engine.separate_qkv_projections else 0.0)
         wgrad_column = (qkv_dw, dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
+        margin = (margin_extra_s(device, peak_flops, groups, shape.n_mlp, dtype_bytes, engine.tp_overlap_margin_sms,
+                                 acc, engine.separate_qkv_projections)
+                  if engine.tp_comm_overlap and config.sp and t > 1 and not shape.num_experts else (0.0, 0.0))
         elementwise_bytes, score_bytes = block_elementwise_bytes(
             shape, tokens, seq_len, config, dtype_bytes, scores_materialised, fused=engine.fused_elementwise,
             expert_div=expert_div, rmsnorm=engine.rmsnorm)
@@ -383,7 +392,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=dw_s, recompute_s=rec, attention_fwd_s=attention_fwd,
                         gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op + hook,
                         host_bwd_s=ops_b * op + 2.0 * hook, host_rec_s=ops_r * op + (hook if ops_r else 0.0),
-                        wgrad_column_s=wgrad_column, sync_fwd_s=sync)
+                        wgrad_column_s=wgrad_column, sync_fwd_s=sync, margin_fwd_s=margin[0],
+                        margin_bwd_s=margin[1])
 
 
 def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float, split: int) -> tuple[float, float]:

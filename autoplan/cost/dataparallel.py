@@ -16,7 +16,7 @@ from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import dtype_bytes
 from autoplan.cost.memory import state_bytes_per_param
-from autoplan.cost.overlap import exposed_s, hidden_penalty_s
+from autoplan.cost.overlap import contention_fraction, exposed_s, hidden_penalty_s, mixed_fraction
 from autoplan.cost.types import GroupPlacement, LayerCost
 from autoplan.graph.types import Layer, LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
@@ -36,6 +36,22 @@ class DpGroups:
 def dp_groups(config: ParallelConfig, cluster: ClusterSpec) -> DpGroups:
     return DpGroups(dense=comm.group_placement(config, ("dp", "ep", "cp"), cluster.devices_per_node),
                     expert=expert_dp_placement(config, cluster.devices_per_node))
+
+
+def dp_fraction(dense_s: float, expert_s: float, groups: DpGroups, cluster: ClusterSpec) -> float:
+    """SM share NCCL's data-parallel collectives take from the compute beside them (overlap.mixed_fraction):
+    the dense group's and the expert group's communicators (overlap.nccl_channels), weighted by their
+    seconds of per-layer collectives `dense_s`, `expert_s`."""
+    if expert_s <= 0 or groups.expert.size <= 1:
+        return contention_fraction(cluster, groups.dense)
+    return mixed_fraction(((dense_s, groups.dense), (expert_s, groups.expert)), cluster)
+
+
+def _group_s(numels: Sequence[float], group: GroupPlacement, w: float, wire: float,
+             reduce_fn: Callable[[float, GroupPlacement, ClusterSpec], float], cluster: ClusterSpec) -> float:
+    """Seconds of one weight all-gather and one gradient reduction per layer over `group` (dp_fraction's
+    weights)."""
+    return sum(comm.all_gather_s(x * w, group, cluster) + reduce_fn(x * wire, group, cluster) for x in numels)
 
 
 def grad_wire_bytes(dtype: str, engine: Engine) -> float:
@@ -118,16 +134,16 @@ def _bucketed(values: Sequence[float], bucket_numel: int, price: Callable[[float
 
 
 def _overlap(compute: Sequence[float], pre: Sequence[float], post: Sequence[float], overlap_pre: bool,
-             overlap_post: bool, cluster: ClusterSpec) -> float:
+             overlap_post: bool, cluster: ClusterSpec, frac: float | None = None) -> float:
     """Exposed seconds of the collectives beside `compute` (overlap.exposed_s for those the engine
     overlaps, the whole of the others), plus the slowdown of the compute under the hidden ones
-    (overlap.hidden_penalty_s: NCCL's kernel takes SMs)."""
+    (overlap.hidden_penalty_s: NCCL's kernel takes `frac` of the SMs, dp_fraction)."""
     zeros = [0.0] * len(compute)
     ov_pre, ov_post = (pre if overlap_pre else zeros), (post if overlap_post else zeros)
     exposed = exposed_s(compute, ov_pre, ov_post)
     hidden = sum(ov_pre) + sum(ov_post) - exposed
     serial = (0.0 if overlap_pre else sum(pre)) + (0.0 if overlap_post else sum(post))
-    return exposed + serial + hidden_penalty_s(hidden, cluster)
+    return exposed + serial + hidden_penalty_s(hidden, cluster, frac)
 
 
 def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layout: ZeroLayout, engine: Engine,
@@ -174,6 +190,8 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
 
     order, back = list(range(len(fwd))), list(reversed(range(len(fwd))))
     none = [0.0] * len(fwd)
+    frac = dp_fraction(*(_group_s(numels, group, w, wire, reduce_fn, cluster) if any(expert) else 0.0
+                         for numels, group in ((dense, groups.dense), (expert, groups.expert))), groups, cluster)
     # FSDP2 copies each gathered block out of the all-gather buffer into its parameters on the compute
     # stream (torch.distributed.fsdp _fsdp_param_group.wait_for_unshard -> foreach_all_gather_copy_out):
     # a read and a write of the unsharded weights per gather
@@ -181,16 +199,16 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     copy_in = reduce_copy_in_s(sum(dense) + sum(expert), cluster, layout, engine)
     dp_f = dp_b = 0.0
     if async_reduce(layout, engine):
-        dp_b, tail = async_reduce_s(fwd, bwd[::-1], reduces(back), cluster)
+        dp_b, tail = async_reduce_s(fwd, bwd[::-1], reduces(back), cluster, frac)
         dp_b += copy_in
         rank.dp_tail += tail
     if layout.weight_gathers_per_microbatch >= 2:
-        dp_f = _overlap(fwd, gathers(order), none, engine.param_gather_overlap, True, cluster) + copy_out
+        dp_f = _overlap(fwd, gathers(order), none, engine.param_gather_overlap, True, cluster, frac) + copy_out
     if not async_reduce(layout, engine) and (layout.weight_gathers_per_microbatch >= 1
                                              or layout.reduce_every_microbatch):
         pre = gathers(back) if layout.weight_gathers_per_microbatch >= 1 else none
         post = reduces(back) if layout.reduce_every_microbatch else none
-        dp_b = _overlap(bwd[::-1], pre, post, engine.param_gather_overlap, engine.dp_comm_overlap, cluster)
+        dp_b = _overlap(bwd[::-1], pre, post, engine.param_gather_overlap, engine.dp_comm_overlap, cluster, frac)
         dp_b += copy_out if layout.weight_gathers_per_microbatch >= 1 else 0.0
         dp_b += copy_in if layout.reduce_every_microbatch else 0.0
     rank.dp += dp_f + dp_b
@@ -199,14 +217,14 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     if not layout.reduce_every_microbatch:
         rank.dp_tail += copy_in + ddp_grad_passes_s(sum(dense) + sum(expert), cluster, layout, engine)
         if engine.dp_comm_overlap:
-            rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster)
+            rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster, frac)
         else:
             rank.dp_tail += (reduce_fn(sum(dense) * wire, groups.dense, cluster)
                              + reduce_fn(sum(expert) * wire, groups.expert, cluster))
     if layout.weight_gathers_per_step:
         rank.param_gather += copy_out
         if engine.param_gather_overlap:
-            rank.param_gather += _overlap(fwd, gathers(order), none, True, True, cluster)
+            rank.param_gather += _overlap(fwd, gathers(order), none, True, True, cluster, frac)
         else:
             rank.param_gather += (comm.all_gather_s(sum(dense) * w, groups.dense, cluster)
                                   + comm.all_gather_s(sum(expert) * w, groups.expert, cluster))
@@ -221,21 +239,21 @@ def async_reduce(layout: ZeroLayout, engine: Engine) -> bool:
 
 
 def async_reduce_s(fwd: Sequence[float], bwd_order: Sequence[float], post: Sequence[float],
-                   cluster: ClusterSpec) -> tuple[float, float]:
+                   cluster: ClusterSpec, frac: float | None = None) -> tuple[float, float]:
     """(per microbatch, once at the step's end) exposed seconds of gradient reductions issued every
     microbatch that the backward does not wait for (Engine.grad_reduce_async; Llama 3's FSDP, Dubey et al.
     2024, section 3.3.2: DP "can tolerate longer network latency by asynchronously prefetching sharded
     model weights and reducing gradients"). The communication stream runs them back to back beside the
     compute of this and the following microbatch, so a microbatch of compute C = sum(fwd) + sum(bwd) and
     reductions R = sum(post) costs max(C, R): R - C exposed when R > C, the hidden part slowing the compute
-    by SM contention (overlap.hidden_penalty_s). The last microbatch has no compute after it: it pays what
+    by SM contention (overlap.hidden_penalty_s at `frac`, dp_fraction). The last microbatch has no compute after it: it pays what
     a backward that waits pays (its own backward, `bwd_order` in the order `post` is issued, hiding what it
     can: _overlap), the difference to the per-microbatch figure being the tail; with one microbatch the
     step is the waiting engine's."""
     compute, total = sum(fwd) + sum(bwd_order), sum(post)
     exposed = max(total - compute, 0.0)
-    per_microbatch = exposed + hidden_penalty_s(total - exposed, cluster)
-    waited = _overlap(bwd_order, [0.0] * len(post), post, True, True, cluster)
+    per_microbatch = exposed + hidden_penalty_s(total - exposed, cluster, frac)
+    waited = _overlap(bwd_order, [0.0] * len(post), post, True, True, cluster, frac)
     return per_microbatch, max(waited - per_microbatch, 0.0)
 
 
@@ -363,7 +381,7 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
     base_b = sum(c.time_s for c in rank.costs) - base_f
     exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)
-    penalty = hidden_penalty_s(hidden, cluster)
+    penalty = hidden_penalty_s(hidden, cluster, contention_fraction(cluster, groups.dense))
     rank.fwd += fwd - base_f
     rank.bwd += bwd - base_b + penalty
     rank.dp += exposed + penalty

@@ -138,7 +138,11 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     the all-gather is split into chunks that overlap the GEMM consuming them, the reduce-scatter the GEMM
     producing them; Megatron requires --sequence-parallel for it): each phase's TP communication hides
     behind that phase's weight GEMMs, exposing max(0, comm - GEMMs), and the GEMMs run slower while the
-    communication occupies SMs (overlap.contention_fraction of the hidden part).
+    communication occupies SMs (overlap.contention_fraction of the tp group's communicator, of the hidden
+    part). With engine.tp_overlap_margin_sms (TE userbuffers' defaults, cost/userbuffers.py) the communication
+    is TE's, not NCCL's: the all-gathers copy on the copy engines and take no SMs, while the GEMMs beside
+    the reduce-scatter and bulk overlaps run on num_sms - margin SMs throughout (times.margin_fwd_s /
+    margin_bwd_s, a dense block's; a full recompute pays the forward's again).
 
     engine.tp_bwd_overlap (Megatron-LM from 2021-09, megatron/mpu/layers.py
     LinearWithGradAccumulationAndAsyncCommunication.backward: `handle = torch.distributed.all_reduce(
@@ -157,8 +161,13 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
         # an early-stopping recompute ends before the MLP output projection and its reduction (projections.py)
         skip = reduce if engine.recompute_early_stop and not shape.num_experts else 0.0
         rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
-        f = contention_fraction(cluster)
-        if engine.tp_comm_overlap and config.sp:
+        f = contention_fraction(cluster, group)  # the tp communicator's NCCL channels (overlap.nccl_channels)
+        if engine.tp_comm_overlap and config.sp and engine.tp_overlap_margin_sms and not shape.num_experts:
+            # TE userbuffers: the margin-narrowed GEMMs run slower whatever the communication's length
+            fwd, bwd, rec = (max(c - g, 0.0) + (m if c > 0 else 0.0) for c, g, m in
+                             ((fwd, times.gemm_fwd_s, times.margin_fwd_s), (bwd, times.gemm_bwd_s, times.margin_bwd_s),
+                              (rec, times.gemm_fwd_s, times.margin_fwd_s)))
+        elif engine.tp_comm_overlap and config.sp:
             fwd, bwd, rec = (max(c - g, 0.0) + f * min(c, g) for c, g in
                              ((fwd, times.gemm_fwd_s), (bwd, times.gemm_bwd_s), (rec, times.gemm_fwd_s)))
         elif engine.tp_bwd_overlap and times.wgrad_column_s:

@@ -7,7 +7,10 @@ from __future__ import annotations
 from typing import Any
 
 from autoplan.cluster.types import ClusterSpec
+from autoplan.cost import comm
 from autoplan.cost.compute import BlockShape
+from autoplan.cost.experts import expert_dp_placement
+from autoplan.cost.overlap import nccl_channels
 from autoplan.cost.pipeline import in_flight_microbatches
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
@@ -23,7 +26,7 @@ GRAD_BYTES_PER_PARAM = 2
 OPTIMIZER_BYTES_PER_PARAM = 12
 # NCCL's staging buffers: NCCL_BUFFSIZE defaults to 4 MiB per channel and direction (NCCL environment
 # variables documentation, NCCL_BUFFSIZE); a ring communicator has a send and a receive connection per
-# channel, so 2 x channels x 4 MiB, the channels being the thread blocks of device.nccl_sms.
+# channel, so 2 x channels x 4 MiB, the channels being its thread blocks (overlap.nccl_channels).
 NCCL_BUFFER_BYTES = 4 * 2**20
 
 
@@ -204,14 +207,18 @@ def model_state_bytes(dense_params: float, expert_params: float, config: Paralle
 def nccl_buffer_bytes(config: ParallelConfig, cluster: ClusterSpec) -> float:
     """NCCL buffers of the communicators a rank belongs to (NCCL_BUFFER_BYTES each way per channel):
     one per mesh axis of size > 1 (tp, cp, ep, pp) and the data-parallel ones (dense over dp * ep * cp,
-    experts over their data-parallel group, ParallelConfig.expert_dp, when ep > 1 or folded). Zero on a profile without NCCL channels (a CPU profile)."""
-    channels = cluster.device.nccl_sms
-    if channels <= 0:
+    experts over their data-parallel group, ParallelConfig.expert_dp, when ep > 1 or folded). A collective
+    communicator has its group's channels (overlap.nccl_channels: 24 inside a DGX node, fewer across
+    nodes); the pipeline's send / receive communicator is counted at device.nccl_sms (NCCL sizes its p2p
+    channels by other rules, not modelled). Zero on a profile without NCCL channels (a CPU profile)."""
+    if cluster.device.nccl_sms <= 0:
         return 0.0
-    sizes = [config.tp, config.cp, config.ep, config.pp, config.dp * config.ep * config.cp]
+    per_node = cluster.devices_per_node
+    groups = [comm.group_placement(config, axes, per_node) for axes in (("tp",), ("cp",), ("ep",), ("dp", "ep", "cp"))]
     if config.ep > 1 or config.folded:
-        sizes.append(config.expert_dp)
-    return sum(1 for n in sizes if n > 1) * 2.0 * channels * NCCL_BUFFER_BYTES
+        groups.append(expert_dp_placement(config, per_node))
+    channels = sum(nccl_channels(g, cluster) for g in groups) + (cluster.device.nccl_sms if config.pp > 1 else 0)
+    return 2.0 * channels * NCCL_BUFFER_BYTES
 
 
 def zero3_working_bytes(rank: Any, layout: ZeroLayout, engine: Engine, dtype: str, wire_bytes: float,

@@ -38,6 +38,7 @@ class Engine:
     zero3: str = "fsdp2"  # how ZeRO-3 gathers: FSDP2 (per block, prefetched) or DeepSpeed stage 3
     # --- additive fields the physics needs ---
     tp_bwd_overlap: bool = False  # column-parallel input-gradient TP collectives overlap their weight-gradient GEMMs
+    tp_overlap_margin_sms: int = 0  # with tp_comm_overlap: SMs TE's userbuffers keep from the GEMMs beside its reduce-scatter / bulk overlaps for their whole run (cost/userbuffers.py); 0: NCCL's channels over the hidden time (cost/overlap.py)
     description: str = "autoplan's executor (eager PyTorch, SDPA attention, FSDP2, DTensor TP, torch.distributed.pipelining)"
     block_forward_ops: int = 0  # host-issued ops in one block's forward (0: the captured graph's count)
     block_backward_ops: int = 0  # ... in its backward (0: compute.BACKWARD_OPS_PER_FORWARD_OP x forward)

@@ -132,19 +132,21 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
     w, g, o = state_bytes_per_param(cluster.dtype, engine)
     wire = grad_wire_bytes(cluster.dtype, engine)
-    frac = contention_fraction(cluster)
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
     hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp)
 
-    def per_layer(kind: str, elem_bytes: float) -> np.ndarray:  # one rank's layers' collectives, summed
+    def per_layer(kind: str, elem_bytes: float) -> tuple[np.ndarray, np.ndarray]:  # a rank's layers' collectives
         d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
         e = collective_s(kind, sizes, expert_axes, expert / layers * elem_bytes, cluster) * layers
-        return d + e
+        return d, e
 
-    gather = per_layer("ag", w)
-    rs_or_ar = np.where(lay["reduce_scatter"][:, None] > 0, per_layer("rs", wire), per_layer("ar", wire))
+    (gather_d, gather_e), scatter = per_layer("ag", w), lay["reduce_scatter"][:, None] > 0
+    (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", wire), per_layer("ar", wire)
+    red_d, red_e = np.where(scatter, rs_d, ar_d), np.where(scatter, rs_e, ar_e)
+    gather, rs_or_ar = gather_d + gather_e, red_d + red_e
+    frac, dense_frac = dp_fractions(sizes, cluster, gather_d + red_d, gather_e + red_e)
     reduce = _bucketed_reduce(rs_or_ar, dense + expert, layers, sizes, lay, wire, cluster, engine)
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
     # dataparallel.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
@@ -159,7 +161,12 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
                       + copy_out, 0.0)
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
-    dp_b = _exposed(bwd, pre_b, post_b, layers, engine.param_gather_overlap, engine.dp_comm_overlap, frac)
+    # reductions alone run one collective per filled bucket (at most one per layer, dataparallel._bucketed),
+    # each hidden by the backward after it: the closed form over that many equal units; with per-layer
+    # gathers beside them, over the layers
+    units = np.minimum(_bucket_count(dense + expert, layers, engine.dp_bucket_numel), layers)
+    dp_b = _exposed(bwd, pre_b, post_b, np.where(gmb >= 1, layers, units), engine.param_gather_overlap,
+                    engine.dp_comm_overlap, frac)
     dp_b = np.where((gmb >= 1) | every,
                     dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
     # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
@@ -168,17 +175,31 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
     dp_b = np.where(asyn, per_mb + copy_in, dp_b)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
-    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, frac)
+    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac)
     x = f["time"] + hops + dp_f + dp_b
     pipe = _pipeline(x, f["bwd_weight"], c, m, v, steady)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
-    step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, lay, engine, frac, sizes,
+    step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
                              dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
                              int(extra.get("last_rank", pp - 1))) + _optimizer(f, c, lay, cluster, engine)
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
     mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return step, mem, acts
+
+
+def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_s: np.ndarray
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """cost.dataparallel.dp_fraction per [candidate, rank] (overlap.mixed_fraction's weighted mean of the
+    dense and expert groups' contention_fraction, by their per-layer collective seconds `dense_s`,
+    `expert_s`), and the dense group's own (DeepSpeed's stage 3 prices it alone)."""
+    per_node = cluster.devices_per_node
+    fd = per_mesh(sizes, lambda config: contention_fraction(
+        cluster, comm.group_placement(config, ("dp", "ep", "cp"), per_node)))[:, None]
+    fe = per_mesh(sizes, lambda config: contention_fraction(cluster, expert_dp_placement(config, per_node)))[:, None]
+    total = dense_s + expert_s
+    mixed = (fd * dense_s + fe * expert_s) / np.where(total > 0, total, 1.0)
+    return np.where(expert_s > 0, mixed, fd + 0.0 * total), fd
 
 
 def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
@@ -263,8 +284,8 @@ def _pipeline(x, weight, c, m, v, steady=0.0):
     return m * (x + steady).max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
 
 
-def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac, sizes, dense, expert, wire, w,
-               cluster, copy_in, async_tail, tied, last_rank) -> np.ndarray:
+def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire,
+               w, cluster, copy_in, async_tail, tied, last_rank) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
     sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
@@ -272,7 +293,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, lay, engine, frac
     and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
-        tail = _exposed(bwd_all, 0.0 * reduce, reduce, layers, True, True, frac)
+        tail = _exposed(bwd_all, 0.0 * reduce, reduce, units, True, True, frac)  # per filled bucket, as dp_b
     else:
         d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
         a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
