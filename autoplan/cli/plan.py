@@ -200,14 +200,22 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from autoplan.cli.plan_components import cmd_plan_components, plans_components
-    from autoplan.search.api import autoplan
+    from autoplan.graph import named
 
     if plans_components(args):
         return cmd_plan_components(args, search_options(args), _cluster(args))
     _check_outputs(args)
     options = search_options(args)
-    cluster = _cluster(args)
-    plans = autoplan(args.model, cluster, seq_len=args.seq_len, engine=_engine(args), **options)
+    # a cold preset is captured in a forked child from here on, while this process imports the search and
+    # loads the cluster (graph/named.py); nothing above imports numpy or torch
+    named.prefetch(args.model, args.seq_len)
+    try:
+        from autoplan.search.api import autoplan
+
+        cluster = _cluster(args)
+        plans = autoplan(args.model, cluster, seq_len=args.seq_len, engine=_engine(args), **options)
+    finally:
+        named.discard()  # the command failed before its search needed the graph: no child left behind
     _print(plans.table())
     print(plans[0].explain())
     _write_outputs(args, plans)
