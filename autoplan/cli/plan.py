@@ -14,6 +14,7 @@ for `estimate` here and for `autoplan run`.
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # loads the cluster (graph/named.py); nothing above imports numpy or torch
     named.prefetch(args.model, args.seq_len)
     try:
+        for module in ("rich.console", "rich.table"):  # the table's printer: imported while a child captures
+            importlib.import_module(module)
         from autoplan.search.api import autoplan
 
         cluster = _cluster(args)
