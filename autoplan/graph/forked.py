@@ -13,8 +13,9 @@ Used only where it is safe and pays: os.fork exists, torch is not imported yet (
 nothing from the child and captures in process), and the process runs a single thread (forking a threaded
 process can leave a lock held in the child). Anything the work raises is raised again in the parent,
 the same exception (or, when it cannot be pickled, its nearest built-in base with the same message); a child
-that dies without a result gives None, and the caller captures in process. Children never collected are
-killed and reaped at exit (`discard`, also registered with atexit).
+that dies without a result gives None, and the caller captures in process. A child whose result was read
+is reaped once its exit is over (`reap`: the parent does not wait the ~10 ms the kernel takes to unmap
+torch); children never collected are killed and reaped by `discard` (also registered with atexit).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from collections.abc import Callable
 from typing import Any
 
 _live: dict[int, Pending] = {}  # pid -> its Pending, until collected or discarded
+_exiting: set[int] = set()  # children whose result was read, not yet reaped
 
 
 class Pending:
@@ -46,8 +48,8 @@ class Pending:
         with os.fdopen(self._fd, "rb") as pipe:
             while chunk := pipe.read(1 << 20):
                 chunks.append(chunk)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+        _exiting.add(self.pid)  # reaped later (reap, discard): its exit (unmapping torch) takes ~10 ms
+        _reap(block=False)
         try:
             ok, value = pickle.loads(b"".join(chunks))
         except Exception:  # noqa: BLE001 - a torn or empty payload: the child died (killed, crashed)
@@ -64,7 +66,8 @@ class Pending:
             os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
-        os.close(self._fd)
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
 
 
 def can_fork() -> bool:
@@ -119,9 +122,26 @@ def _portable(exc: BaseException) -> BaseException:
 
 
 def discard() -> None:
-    """Kill and reap every child whose result was never collected."""
+    """Kill and reap every child whose result was never collected, and reap those whose result was."""
     for pending in list(_live.values()):
         pending.cancel()
+    reap()
+
+
+def reap() -> None:
+    """Wait for the children whose result was read (gone by now, as a rule): no zombie stays behind."""
+    _reap(block=True)
+
+
+def _reap(*, block: bool) -> None:
+    """Wait for the children in _exiting (those gone already, when not `block`)."""
+    for pid in list(_exiting):
+        try:
+            done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere (a caller's own os.wait)
+            done = pid
+        if done:
+            _exiting.discard(pid)
 
 
 atexit.register(discard)

@@ -106,9 +106,10 @@ def prefetch(spec: Any, seq_len: Any) -> None:
 
 
 def discard() -> None:
-    """Kill the prefetching children whose graph was not asked for (the command failed before its search)."""
-    while _prefetched:
-        _prefetched.popitem()[1].cancel()
+    """Kill the prefetching children whose graph was not asked for (the command failed before its search),
+    and reap every capture child (graph.forked.discard)."""
+    _prefetched.clear()
+    forked.discard()
 
 
 def _fork(spec: str, seq_len: int) -> forked.Pending | None:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.cluster.types import ClusterSpec
-from autoplan.graph import named
+from autoplan.graph import forked, named
 from autoplan.graph.named import is_preset_name, load_model
 from autoplan.graph.types import LayerGraph
 from autoplan.plan.engine import Engine, as_engine
@@ -169,6 +169,7 @@ def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k
 
     record: dict[str, Any] = {}
     found = search(model_graph(model, seq_len), spec, opts, record=record, cost_model=with_engine(eng))
+    forked.reap()  # a capture child's exit, if one ran, is over by now
     fingerprint = fingerprint_of(model)
     plans = Plans(dataclasses.replace(plan, fingerprint=fingerprint, engine=eng) for plan in found)
     plans.candidates = record
@@ -205,7 +206,9 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any
     check_config(config, spec, global_batch)
     from autoplan.cost import estimate_config
 
-    return estimate_config(model_graph(model, seq_len), spec, config, global_batch=global_batch, engine=eng)
+    graph = model_graph(model, seq_len)
+    forked.reap()
+    return estimate_config(graph, spec, config, global_batch=global_batch, engine=eng)
 
 
 def plan_for(model: str, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,

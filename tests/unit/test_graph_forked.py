@@ -15,7 +15,10 @@ from autoplan.graph.errors import CaptureError
 
 
 def _reaped(pid: int) -> bool:
-    """The child is gone and was waited for (no zombie left)."""
+    """After discard() (which the command calls when it is done), the child is gone and was waited for (no
+    zombie left), and nothing is left to reap."""
+    forked.discard()
+    assert forked._live == {} and forked._exiting == set()
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
     return not Path(f"/proc/{pid}").exists()
@@ -67,9 +70,8 @@ def test_cancel_and_discard_kill_and_reap_the_children() -> None:
     first = forked.run_in_child(lambda: signal.pause())
     second = forked.run_in_child(lambda: signal.pause())
     first.cancel()
-    assert _reaped(first.pid) and forked._live == {second.pid: second}
-    forked.discard()
-    assert _reaped(second.pid) and forked._live == {}
+    assert forked._live == {second.pid: second} and not Path(f"/proc/{first.pid}").exists()
+    assert _reaped(second.pid) and _reaped(first.pid)
 
 
 def test_prefetch_forks_only_for_an_uncached_preset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -81,7 +83,7 @@ def test_prefetch_forks_only_for_an_uncached_preset(tmp_path: Path, monkeypatch:
     named.prefetch("tiny-gpt", 16)
     (pending,) = named._prefetched.values()
     graph = named.preset_graph("tiny-gpt", 16)
-    assert _reaped(pending.pid) and named._prefetched == {}
+    assert named._prefetched == {} and _reaped(pending.pid)
     assert cache.load(cache.preset_key("tiny-gpt", seq_len=16)) == graph and graph.model_name == "tiny-gpt"
     fingerprint = named._fingerprints["tiny-gpt"]
     monkeypatch.setattr(named, "_fingerprints", {})
