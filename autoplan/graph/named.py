@@ -119,4 +119,13 @@ def _fork(spec: str, seq_len: int) -> forked.Pending | None:
     entry = None if directory is None else directory / f"{cache.preset_key(spec, seq_len=seq_len)}.json"
     if not forked.can_fork() or (entry is not None and entry.exists()):
         return None
-    return forked.start(lambda: (captured_preset(spec, seq_len), preset_fingerprint(spec)))
+    return forked.start(lambda: _child_capture(spec, seq_len))
+
+
+def _child_capture(spec: str, seq_len: int) -> tuple[LayerGraph, str]:
+    """In the child: no OpenBLAS thread pool for numpy, which torch imports (a capture on meta never calls
+    BLAS; measured here, its threads took 0.1 s of CPU on the core the parent works on), then the capture."""
+    import os
+
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"  # this process only: it was forked, the parent keeps its own
+    return captured_preset(spec, seq_len), preset_fingerprint(spec)
