@@ -9,7 +9,7 @@ as a warm plan's: `start` forks as soon as the command knows the model and seque
 the cluster and imports the search while the child captures on the other core, and `Pending.result` hands
 the graph over. The child leaves with os._exit (no interpreter teardown: it owns nothing the parent needs).
 
-Used only where it is safe and pays: os.fork exists, torch is not imported yet (a caller holding torch gains
+Used only where it is safe and pays: os.fork exists (and is not macOS's), torch is not imported yet (a caller holding torch gains
 nothing from the child and captures in process), and the process runs a single thread (forking a threaded
 process can leave a lock held in the child). Anything the work raises is raised again in the parent,
 the same exception (or, when it cannot be pickled, its nearest built-in base with the same message); a child
@@ -71,8 +71,11 @@ class Pending:
 
 
 def can_fork() -> bool:
-    """Whether `start` would fork here: os.fork exists, torch is not imported, only this thread runs."""
-    return hasattr(os, "fork") and "torch" not in sys.modules and threading.active_count() == 1
+    """Whether `start` would fork here: os.fork exists and is safe (not macOS, whose system libraries may start
+    threads: Python docs, multiprocessing, "the fork start method should be considered unsafe" there), torch
+    is not imported, and only this thread runs."""
+    return (hasattr(os, "fork") and sys.platform != "darwin" and "torch" not in sys.modules
+            and threading.active_count() == 1)
 
 
 def start(work: Callable[[], Any]) -> Pending | None:
