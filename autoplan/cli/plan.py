@@ -218,7 +218,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         cluster = _cluster(args)
         plans = autoplan(args.model, cluster, seq_len=args.seq_len, engine=_engine(args), **options)
     finally:
-        named.discard()  # the command failed before its search needed the graph: no child left behind
+        named.discard()  # no capture child outlives the command: killed when it failed first, else reaped
     _print(plans.table())
     print(plans[0].explain())
     _write_outputs(args, plans)

@@ -206,9 +206,9 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any
     check_config(config, spec, global_batch)
     from autoplan.cost import estimate_config
 
-    graph = model_graph(model, seq_len)
-    forked.reap()
-    return estimate_config(graph, spec, config, global_batch=global_batch, engine=eng)
+    est = estimate_config(model_graph(model, seq_len), spec, config, global_batch=global_batch, engine=eng)
+    forked.reap()  # a capture child's exit, if one ran, is over by now
+    return est
 
 
 def plan_for(model: str, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
