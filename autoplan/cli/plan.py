@@ -14,6 +14,7 @@ for `estimate` here and for `autoplan run`.
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 from typing import Any
 
@@ -200,14 +201,24 @@ def _check_outputs(args: argparse.Namespace) -> None:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from autoplan.cli.plan_components import cmd_plan_components, plans_components
-    from autoplan.search.api import autoplan
+    from autoplan.graph import named
 
     if plans_components(args):
         return cmd_plan_components(args, search_options(args), _cluster(args))
     _check_outputs(args)
     options = search_options(args)
-    cluster = _cluster(args)
-    plans = autoplan(args.model, cluster, seq_len=args.seq_len, engine=_engine(args), **options)
+    # a cold preset is captured in a forked child from here on, while this process imports the search and
+    # loads the cluster (graph/named.py); nothing above imports numpy or torch
+    named.prefetch(args.model, args.seq_len)
+    try:
+        for module in ("rich.console", "rich.table"):  # the table's printer: imported while a child captures
+            importlib.import_module(module)
+        from autoplan.search.api import autoplan
+
+        cluster = _cluster(args)
+        plans = autoplan(args.model, cluster, seq_len=args.seq_len, engine=_engine(args), **options)
+    finally:
+        named.discard()  # no capture child outlives the command: killed when it failed first, else reaped
     _print(plans.table())
     print(plans[0].explain())
     _write_outputs(args, plans)

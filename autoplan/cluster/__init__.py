@@ -1,9 +1,24 @@
 """Cluster descriptions: the frozen specs (types.py), shipped and user profiles (load.py), the
-profiler that measures a real cluster (probe.py) and the fits it uses (fit.py)."""
+profiler that measures a real cluster (probe.py) and the fits it uses (fit.py).
+
+The names below are loaded on first use (PEP 562 module __getattr__), so that importing a submodule (the
+specs, calibrate's field names for the command line's help) does not import numpy and yaml with load.py:
+`autoplan plan` forks a cold preset's capture before it imports them (graph/named.py).
+"""
 
 from __future__ import annotations
 
-from autoplan.cluster.load import Cluster
-from autoplan.cluster.types import ClusterSpec, DeviceSpec, LinkSpec
+import importlib
+from typing import Any
+
+_HOME = {"Cluster": "load", "ClusterSpec": "types", "DeviceSpec": "types", "LinkSpec": "types"}
 
 __all__ = ["Cluster", "ClusterSpec", "DeviceSpec", "LinkSpec"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOME:
+        raise AttributeError(f"module 'autoplan.cluster' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"autoplan.cluster.{_HOME[name]}"), name)
+    globals()[name] = value
+    return value

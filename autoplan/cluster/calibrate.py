@@ -15,9 +15,10 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # numpy is imported where used: `autoplan --help` reads DEFAULT_FIELDS without it
+    import numpy as np
 
 # fields fitted by default: what a CPU run's step time is most sensitive to and no microbenchmark pins
 # down. Not op_overhead_s: bench/cpu_core_rates.py measures it directly (thread CPU time, load-proof); fitted,
@@ -112,6 +113,7 @@ def fit_parameters(predict: Callable[[np.ndarray], np.ndarray], measured: np.nda
     """argmin_theta sum log(predict(theta) / measured)^2 with lower <= theta <= upper, searched in
     log(theta) from `start`, moved 5 % inside the bounds (trust-region reflective barely leaves a start
     on a bound: a fraction of 1.0 would never come down)."""
+    import numpy as np
     from scipy.optimize import least_squares
 
     lo, hi = np.log(lower), np.log(upper)
@@ -128,6 +130,8 @@ def fit_parameters(predict: Callable[[np.ndarray], np.ndarray], measured: np.nda
 def split(n: int, held_out_fraction: float, seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(train, held out) indices: a seeded random choice of round(n * fraction) runs held out, at
     least one each side when n >= 2."""
+    import numpy as np
+
     if not 0 < held_out_fraction < 1:
         raise ValueError(f"the held-out fraction must be in (0, 1), got {held_out_fraction}")
     if n < 2:
@@ -138,6 +142,8 @@ def split(n: int, held_out_fraction: float, seed: int) -> tuple[tuple[int, ...],
 
 
 def mape_of(predicted: np.ndarray, measured: np.ndarray, idx: Sequence[int]) -> float:
+    import numpy as np
+
     i = list(idx)
     return float(np.mean(np.abs(predicted[i] - measured[i]) / measured[i])) if i else math.nan
 
@@ -145,6 +151,8 @@ def mape_of(predicted: np.ndarray, measured: np.ndarray, idx: Sequence[int]) -> 
 def run_predictor(runs: Sequence[Run], profile: Mapping[str, Any], fields: Sequence[str], path: str,
                   graph_for: Callable[[str, int], Any] | None = None) -> Callable[[np.ndarray], np.ndarray]:
     """predict(theta) -> every run's predicted step time on the profile with `fields` = theta."""
+    import numpy as np
+
     from autoplan.cluster.load import parse_profile
     from autoplan.cost import estimate_config
 
@@ -172,6 +180,8 @@ def calibrate(runs: Sequence[Run], profile: Mapping[str, Any], path: str, *, fie
               held_out_fraction: float = 0.3, seed: int = 0,
               graph_for: Callable[[str, int], Any] | None = None) -> Fit:
     """Fit `fields` on the training split of `runs`; report the MAPE before and after on both splits."""
+    import numpy as np
+
     fields = tuple(fields)
     start = np.array([get_field(profile, f) for f in fields])
     for field, value in zip(fields, start):

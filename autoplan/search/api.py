@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from autoplan.cluster.types import ClusterSpec
+from autoplan.graph import forked, named
+from autoplan.graph.named import is_preset_name, load_model
 from autoplan.graph.types import LayerGraph
 from autoplan.plan.engine import Engine, as_engine
 from autoplan.plan.types import Estimate, ParallelConfig, Plan
@@ -73,55 +75,17 @@ def load_cluster(cluster: ClusterSpec | str | Path, **cluster_options: Any) -> C
     return Cluster.load(str(cluster), **cluster_options)
 
 
-def load_model(spec: str) -> Any:
-    """A preset name, "path/to/file.py:factory" (the file is imported and factory() called on meta) or a Hugging
-    Face from_pretrained directory (built from its config.json on meta). Each mistake is one ValueError line."""
-    import torch
-
-    from autoplan.models import PRESETS, preset
-    from autoplan.models.multimodal import MULTIMODAL_PRESETS
-    from autoplan.models.user import call_factory, hf_from_dir, is_file_spec, is_hf_dir
-    from autoplan.models.vision import VISION_PRESETS
-
-    if is_file_spec(spec):
-        with torch.device("meta"):
-            return call_factory(spec)
-    if is_hf_dir(spec):
-        with torch.device("meta"):
-            return hf_from_dir(spec)
-    others = {**VISION_PRESETS, **MULTIMODAL_PRESETS}
-    if spec in others:
-        with torch.device("meta"):
-            return others[spec]()
-    if spec not in PRESETS:
-        raise ValueError(f"unknown model {spec!r}: choose a preset ({', '.join([*PRESETS, *others])}), give "
-                         f"file.py:factory or a Hugging Face model directory")
-    with torch.device("meta"):
-        return preset(spec)
-
-
-def _is_preset_name(spec: str) -> bool:
-    """Not a file.py:factory, a path or a directory: a preset's name (checked without importing torch)."""
-    return ":" not in spec and "/" not in spec and not Path(spec).exists()
-
-
 @lru_cache(maxsize=16)
 def _named_graph(spec: str, seq_len: int) -> LayerGraph:
     """Captured once per (spec, seq_len) and cached on disk (autoplan.graph.cache): a preset's entry is found
-    by its name without building the model, so a warm plan of a preset never imports torch; other models are
-    built and found by the structure of the module."""
-    from autoplan.graph import cache
-
-    if not _is_preset_name(spec):
+    by its name without building the model, so a warm plan of a preset never imports torch, and a cold one
+    is captured in a forked child where possible (graph/named.py), so the planning process does not either.
+    Other models are built and found by the structure of the module."""
+    if not is_preset_name(spec):
         from autoplan.models.user import model_name_of
 
         return _captured(load_model(spec), seq_len, model_name_of(spec))
-    def make() -> LayerGraph:
-        model = load_model(spec)
-        _named_fingerprint_of(spec, model)  # built anyway: its fingerprint is stored too (what a plan carries)
-        return _capture(model, seq_len, spec, copy_model=False)  # built for this capture alone: traced in place
-
-    return cache.cached(cache.preset_key(spec, seq_len=seq_len), make, model_name=spec)
+    return named.preset_graph(spec, seq_len)
 
 
 def _capture(model: Any, seq_len: int, name: str | None, copy_model: bool = True) -> LayerGraph:
@@ -141,23 +105,11 @@ def _captured(model: Any, seq_len: int, name: str | None) -> LayerGraph:
 @lru_cache(maxsize=16)
 def _named_fingerprint(spec: str) -> str:
     """A preset's fingerprint is cached on disk beside its graph (no torch import when warm)."""
-    if not _is_preset_name(spec):
+    if not is_preset_name(spec):
         from autoplan.graph.fingerprint import model_fingerprint  # imports torch
 
         return model_fingerprint(load_model(spec))
-    return _named_fingerprint_of(spec, None)
-
-
-def _named_fingerprint_of(spec: str, model: Any) -> str:
-    """A preset's fingerprint from the disk cache, else computed from `model` (built here when None) and stored."""
-    from autoplan.graph import cache
-
-    def compute() -> str:
-        from autoplan.graph.fingerprint import model_fingerprint  # imports torch
-
-        return model_fingerprint(load_model(spec) if model is None else model)
-
-    return cache.cached_text(cache.key_of({"preset fingerprint": spec}), compute)
+    return named.preset_fingerprint(spec)
 
 
 def fingerprint_of(model: Any) -> str:
@@ -217,6 +169,7 @@ def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k
 
     record: dict[str, Any] = {}
     found = search(model_graph(model, seq_len), spec, opts, record=record, cost_model=with_engine(eng))
+    forked.reap()  # a capture child's exit, if one ran, is over by now
     fingerprint = fingerprint_of(model)
     plans = Plans(dataclasses.replace(plan, fingerprint=fingerprint, engine=eng) for plan in found)
     plans.candidates = record
@@ -253,7 +206,9 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any
     check_config(config, spec, global_batch)
     from autoplan.cost import estimate_config
 
-    return estimate_config(model_graph(model, seq_len), spec, config, global_batch=global_batch, engine=eng)
+    est = estimate_config(model_graph(model, seq_len), spec, config, global_batch=global_batch, engine=eng)
+    forked.reap()  # a capture child's exit, if one ran, is over by now
+    return est
 
 
 def plan_for(model: str, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,

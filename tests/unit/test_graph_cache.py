@@ -62,17 +62,48 @@ def test_a_warm_preset_plan_does_not_import_torch(tmp_cache: Path) -> None:
     assert out.stdout.split() == [str(len(GRAPH.layers)), "tiny-gpt", "False"]
 
 
-def test_a_warm_preset_plan_from_the_command_line_does_not_import_torch(tmp_path: Path) -> None:
+_CLI = """
+import os, sys
+from autoplan.cli.main import main
+rc = main(["plan", "--model", {model!r}, "--cluster", {cluster!r}, "--global-batch", "8", "--seq-len", "32", "--quiet"])
+try:
+    os.waitpid(-1, os.WNOHANG)  # raises when this process has no child at all, running or unreaped
+    children = "left"
+except ChildProcessError:
+    children = "none"
+print("TORCH", rc, "torch" in sys.modules, children)
+"""
+
+
+def _cli(cluster: str, env: dict, model: str = "tiny-gpt", stderr: list | None = None) -> list[str]:
+    out = subprocess.run([sys.executable, "-c", _CLI.format(cluster=cluster, model=model)], capture_output=True,
+                         text=True, check=True, env=env)
+    if stderr is not None:
+        stderr.append(out.stderr)
+    return out.stdout.split("TORCH")[-1].split()
+
+
+def test_a_preset_plan_from_the_command_line_does_not_import_torch(tmp_path: Path) -> None:
     """The `autoplan plan` path (the components check, the fingerprint a plan carries) needs no torch once the
-    preset's graph and fingerprint are cached: the first run stores both, the second must not import it."""
-    code = ("import sys; from autoplan.cli.main import main; rc = main(['plan', '--model', 'tiny-gpt', '--cluster', "
-            "'local-cpu', '--nodes', '1', '--global-batch', '8', '--seq-len', '32', '--quiet']); "
-            "print('TORCH', rc, 'torch' in sys.modules)")
+    preset's graph and fingerprint are cached, and a cold plan captures in a forked child (graph/named.py),
+    which is collected: the first run stores both, neither run imports torch or leaves a child behind."""
     env = {**__import__("os").environ, "AUTOPLAN_CACHE_DIR": str(tmp_path)}
-    runs = [subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-            for _ in range(2)]
-    cold, warm = (r.stdout.split("TORCH")[-1].split() for r in runs)
-    assert cold == ["0", "True"] and warm == ["0", "False"]
+    cold, warm = _cli("local-cpu", env), _cli("local-cpu", env)
+    assert cold == warm == ["0", "False", "none"]
+    assert len(list((tmp_path / "graphs").glob("*.json"))) == len(list((tmp_path / "graphs").glob("*.txt"))) == 1
+
+
+def test_a_command_that_fails_before_its_search_kills_the_capture_child(tmp_path: Path) -> None:
+    env = {**__import__("os").environ, "AUTOPLAN_CACHE_DIR": str(tmp_path)}
+    assert _cli("no-such-cluster", env) == ["2", "False", "none"]
+
+
+def test_an_error_in_the_capture_child_is_the_one_line_error(tmp_path: Path) -> None:
+    """An unknown preset fails in the child (load_model), and the command prints that ValueError's one line."""
+    env, stderr = {**__import__("os").environ, "AUTOPLAN_CACHE_DIR": str(tmp_path)}, []
+    assert _cli("local-cpu", env, model="no-such-model", stderr=stderr) == ["2", "False", "none"]
+    assert stderr[0].startswith("autoplan: error: unknown model 'no-such-model': choose a preset (")
+    assert stderr[0].count("\n") == 1
 
 
 def _writer(directory: str, n: int) -> None:
