@@ -11,7 +11,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.types import Plan, Recompute
+from autoplan.plan.types import ParallelConfig, Plan, Recompute
 from autoplan.search.space import COLUMNS, RECOMPUTES, SearchOptions, Space
 from autoplan.search.surrogate import Quick
 
@@ -79,10 +79,18 @@ def plan_notes(plan: Plan, plans: list[Plan], graph: LayerGraph, cluster: Cluste
     others = [p for p in plans if p is not plan]
     if others and plan.rank == 1:
         nxt = others[0]
-        diff = ", ".join(f"{k} {nxt.config.to_dict()[k]}" for k, v in c.to_dict().items() if nxt.config.to_dict()[k] != v)
+        diff = config_diff(c, nxt.config)
         gain = nxt.estimate.step_time_s / est.step_time_s - 1
         notes.append(f"{gain:.1%} faster than plan #2 ({diff or 'a different stage split'}).")
     return tuple(notes)
+
+
+def config_diff(config: ParallelConfig, other: ParallelConfig) -> str:
+    """'key value' of `other` for every field where it differs from `config` ("" when none). to_dict leaves
+    out etp / eep when they are 0, so a key one side lacks counts as 0 (a MoE-folded plan against an unfolded
+    one)."""
+    a, b = config.to_dict(), other.to_dict()
+    return ", ".join(f"{k} {b.get(k, 0)}" for k in dict.fromkeys([*a, *b]) if a.get(k, 0) != b.get(k, 0))
 
 
 def _context_and_experts(plan: Plan, ctx: dict[str, Any]) -> list[str]:
