@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, PermissionError, KeyError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        if isinstance(exc, KeyError) and " " not in str(message):
+            raise  # autoplan's own KeyErrors say what is missing in a sentence; a bare key is a bug: its traceback
         print(f"autoplan: error: {message}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
