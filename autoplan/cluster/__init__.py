@@ -8,17 +8,10 @@ specs, calibrate's field names for the command line's help) does not import nump
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from autoplan._lazy import lazy_names
 
 _HOME = {"Cluster": "load", "ClusterSpec": "types", "DeviceSpec": "types", "LinkSpec": "types"}
 
 __all__ = ["Cluster", "ClusterSpec", "DeviceSpec", "LinkSpec"]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module 'autoplan.cluster' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"autoplan.cluster.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_names(__name__, _HOME, globals())

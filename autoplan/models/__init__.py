@@ -10,8 +10,7 @@ warm plan of a preset never imports it.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from autoplan._lazy import lazy_names
 
 _HOME = {
     "TransformerConfig": "config",
@@ -24,14 +23,4 @@ _HOME = {
 __all__ = ["MLP", "PRESETS", "Attention", "AttentionCore", "Block", "Experts", "MoE", "TokenEmbedding",
            "Transformer", "TransformerConfig", "loss_fn", "preset", "preset_config"]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _HOME:
-        raise AttributeError(f"module 'autoplan.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"autoplan.models.{_HOME[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOME})
+__getattr__, __dir__ = lazy_names(__name__, _HOME, globals())
