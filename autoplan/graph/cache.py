@@ -142,13 +142,19 @@ def module_fingerprint(model: Any) -> dict[str, Any]:
     return {"modules": modules, "tensors": tensors}
 
 
+def entry_path(key: str, directory: Path | None = None) -> Path | None:
+    """Where the graph of `key` is (or would be) stored; None with caching off."""
+    directory = cache_dir() if directory is None else directory
+    return None if directory is None else directory / f"{key}.json"
+
+
 def load(key: str, directory: Path | None = None) -> LayerGraph | None:
     """The cached graph of `key`, or None (no entry, caching off, or an unreadable entry)."""
-    directory = cache_dir() if directory is None else directory
-    if directory is None:
+    path = entry_path(key, directory)
+    if path is None:
         return None
     try:
-        data = json.loads((directory / f"{key}.json").read_text())
+        data = json.loads(path.read_text())
         return graph_from_dict(data)
     except (OSError, ValueError, TypeError, KeyError):
         return None
@@ -157,9 +163,9 @@ def load(key: str, directory: Path | None = None) -> LayerGraph | None:
 def store(key: str, graph: LayerGraph, directory: Path | None = None) -> None:
     """Write the entry atomically (a temporary file in the same directory, then os.replace); errors writing
     the cache never fail a plan."""
-    directory = cache_dir() if directory is None else directory
-    if directory is not None:
-        replace_atomically(directory / f"{key}.json", lambda f: json.dump(graph_to_dict(graph), f))
+    path = entry_path(key, directory)
+    if path is not None:
+        replace_atomically(path, lambda f: json.dump(graph_to_dict(graph), f))
 
 
 def cached(key: str, make: Callable[[], LayerGraph], *, model_name: str | None = None) -> LayerGraph:

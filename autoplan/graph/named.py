@@ -115,8 +115,7 @@ def discard() -> None:
 def _fork(spec: str, seq_len: int) -> forked.Pending | None:
     """A child capturing the preset (storing it in the disk cache) whose result is (graph, fingerprint);
     None when the graph is cached already or forking is not possible here."""
-    directory = cache.cache_dir()
-    entry = None if directory is None else directory / f"{cache.preset_key(spec, seq_len=seq_len)}.json"
+    entry = cache.entry_path(cache.preset_key(spec, seq_len=seq_len))
     if not forked.can_fork() or (entry is not None and entry.exists()):
         return None
     return forked.start(lambda: _child_capture(spec, seq_len))
