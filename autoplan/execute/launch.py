@@ -27,6 +27,9 @@ from autoplan.plan.types import ParallelConfig, Plan
 # messages of errors a rank gets because another rank died or hung (not its own failure)
 _PEER_FAILURE_MARKS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "imed out",
                        "Socket Timeout", "NCCL communicator was aborted", "DistNetworkError", "DistStoreError")
+# what C++ prints before it aborts a process (std::terminate, and an exception's what()), one rank's or another's:
+# the launcher's output interleaves the ranks, so it is quoted beside the signal, not attributed
+_NATIVE_ABORT = re.compile(r"^(terminate called [^\n]*|\s*what\(\):[^\n]*)$", re.MULTILINE)
 _TORCHRUN_FAILURE = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
 
 
@@ -118,8 +121,10 @@ def diagnose(run_dir: str, launcher_output: str) -> tuple[int | None, str]:
     for rank, code in ((int(r), int(c)) for r, c in _TORCHRUN_FAILURE.findall(launcher_output)):
         if code < 0 and -code != signal.SIGTERM:
             name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            native = _NATIVE_ABORT.findall(launcher_output)
+            said = f"; the output has the native abort {' / '.join(dict.fromkeys(native))!r}" if native else ""
             return rank, (f"rank {rank} died: killed by signal {name} (the process had no chance to report "
-                          f"a Python traceback); the other ranks were stopped")
+                          f"a Python traceback){said}; the other ranks were stopped")
     if errors:
         e = errors[0]
         stopped = _stopped_ranks(run_dir, errors)

@@ -23,12 +23,11 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 import torch.nn.functional as F
@@ -203,12 +202,7 @@ def _rank_main(args: argparse.Namespace, rank: int) -> None:
                       output_len=args.output_len)
         Path(args.report).write_text(json.dumps(result) + "\n")
     dist.barrier()  # before destroy after DTensor work (TORCH_NOTES.md)
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # skip interpreter teardown: gloo's threads have aborted it ("terminate called without an active
-    # exception", SIGABRT) after a clean run; the report is already written
-    os._exit(0)
+    dist.destroy_process_group()  # run_guarded then exits without interpreter teardown
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -239,12 +233,12 @@ def run_serve(model: str, *, tp: int, batch: int, input_len: int, output_len: in
         return json.loads(Path(report).read_text())
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
     from autoplan.execute.worker import run_guarded
 
     args = parse_args(argv)
-    return run_guarded(args.run_dir, lambda rank: _rank_main(args, rank))
+    run_guarded(args.run_dir, lambda rank: _rank_main(args, rank))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -4,6 +4,9 @@ wrapping, plan files, the torchrun command and the failure diagnosis."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -167,6 +170,16 @@ def test_diagnose_names_a_killed_rank_over_its_peers_errors(tmp_path) -> None:
             "the other ranks were stopped"))
 
 
+def test_diagnose_quotes_a_native_abort_beside_the_signal(tmp_path) -> None:
+    summary = TORCHRUN_SUMMARY.replace("-9 (pid: 17967)  (SIGKILL)", "-6 (pid: 17967)  (SIGABRT)")
+    output = ("autoplan run: losses ['4.8'], step time 0.0075 s\nterminate called after throwing an instance of "
+              "'gloo::IoException'\n  what():  [pair.cc:446] Connection closed\n" + summary)
+    rank, message = diagnose(str(tmp_path), output)
+    assert rank == 3 and message.startswith("rank 3 died: killed by signal SIGABRT")
+    assert "terminate called after throwing an instance of 'gloo::IoException' /   what():  [pair.cc:446]" in message
+    assert diagnose(str(tmp_path), summary)[1].endswith("traceback); the other ranks were stopped")
+
+
 def test_diagnose_blames_the_hung_rank_not_the_ones_that_timed_out(tmp_path) -> None:
     for rank, stack in enumerate(["Thread 0x1 (most recent call first):\n  File worker.py, line 9 in hook", "", ""]):
         (tmp_path / f"stack-{rank}.txt").write_text(stack)
@@ -280,3 +293,14 @@ def test_token_files_of_large_vocabularies_and_long_streams(tmp_path, monkeypatc
     assert isinstance(mapped, data.MappedTokens) and mapped.numel() == 3000
     assert torch.equal(data.sample_windows(mapped, 3, 1, global_batch=4, seq_len=16),
                        data.sample_windows(tokens, 3, 1, global_batch=4, seq_len=16))
+
+
+def test_a_clean_rank_exits_0_without_interpreter_teardown(tmp_path) -> None:
+    # gloo's threads can abort a finalizing interpreter (SIGABRT after a clean run): run_guarded skips teardown,
+    # which an atexit handler, run only by teardown, shows; stdout is still flushed
+    code = ("import atexit, sys\nfrom autoplan.execute.worker import run_guarded\n"
+            "atexit.register(lambda: print('teardown ran'))\n"
+            f"run_guarded({str(tmp_path)!r}, lambda rank: print('body ran', rank))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RANK": "1"})
+    assert done.returncode == 0 and done.stdout == "body ran 1\n", done.stdout + done.stderr
