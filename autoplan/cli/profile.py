@@ -117,6 +117,17 @@ def _options(args: argparse.Namespace, env: dict[str, int] | None):
 
 
 def run(args: argparse.Namespace) -> int:
+    code = _run(args)
+    if _torchrun_env() is not None:
+        # a rank of torchrun's has had a process group: exit without interpreter teardown, which gloo's threads
+        # can abort after a clean run (autoplan.execute.worker.run_guarded says why)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _run(args: argparse.Namespace) -> int:
     from autoplan.cluster.load import dump_profile
     from autoplan.cluster.probe import ProbeFailed, Rendezvous, probe_local, probe_torchrun
     from autoplan.cluster.report import build_profile, plot_bus_bandwidth, summary_tables

@@ -14,13 +14,10 @@ import importlib.util
 import json
 import os
 import statistics
-import sys
 import tempfile
-import time
-import traceback
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from autoplan.plan.components import ComponentPlan, load_component_plan, save_component_plan
 
@@ -91,7 +88,9 @@ def _run(args: argparse.Namespace, rank: int) -> None:
     dist.destroy_process_group()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> NoReturn:
+    from autoplan.execute.worker import run_guarded
+
     p = argparse.ArgumentParser(prog="autoplan.execute.component_worker")
     for flag in ("--plan", "--model", "--report", "--run-dir"):
         p.add_argument(flag, required=True)
@@ -99,19 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=float, default=300.0)
     args = p.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    try:
-        _run(args, rank)
-    except BaseException as exc:  # noqa: BLE001 - recorded for the launcher (launch.diagnose), then exit 1
-        record = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "message": str(exc),
-                  "traceback": traceback.format_exc()}
-        path = os.path.join(args.run_dir, f"error-{rank}.json")
-        Path(path + ".tmp").write_text(json.dumps(record))
-        os.replace(path + ".tmp", path)
-        sys.stderr.write(f"[rank {rank}] {record['traceback']}")
-        os._exit(1)
-    return 0
+    run_guarded(args.run_dir, lambda rank: _run(args, rank))  # the launcher's failure protocol (launch.diagnose)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
