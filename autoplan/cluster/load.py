@@ -184,11 +184,33 @@ def _parse_link(data: Any, where: str, path: str) -> LinkSpec:
     _check_keys(data, _required_fields(LinkSpec), _optional_fields(LinkSpec), f"{where}.", path)
     values: dict[str, Any] = {"name": str(data["name"])}
     for key in data:
-        if key != "name":
+        if key == BY_RANKS:
+            values[key] = _by_ranks(data[key], f"{where}.{key}", path)
+        elif key != "name":
             values[key] = _number(
                 data[key], f"{where}.{key}", path, allow_zero=key in _optional_fields(LinkSpec)
             )
     return LinkSpec(**values)
+
+
+BY_RANKS = "allreduce_busbw_fraction_by_ranks"
+
+
+def _by_ranks(data: Any, field: str, path: str) -> tuple[tuple[int, float], ...]:
+    """{ranks: fraction} (ranks an integer >= 2, fraction in (0, 1]) as LinkSpec keeps it: pairs, ranks ascending."""
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{path}: field {field!r} must map group sizes to fractions, e.g. {{2: 0.66, 4: 0.74}}, "
+                         f"got {data!r}")
+    out = []
+    for ranks, fraction in data.items():
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+            raise ValueError(f"{path}: field {field!r}: group size {ranks!r} must be an integer >= 2")
+        value = _number(fraction, f"{field}.{ranks}", path)
+        if value > 1:
+            raise ValueError(f"{path}: field '{field}.{ranks}' is a fraction of nominal and must be in (0, 1], "
+                             f"got {fraction!r}")
+        out.append((ranks, value))
+    return tuple(sorted(out))
 
 
 def _positive_int(value: Any, what: str, hint: str) -> int:
@@ -305,7 +327,13 @@ class Cluster:
         return combine(groups, name=name, inter_group=inter_group, devices_per_node=devices_per_node)
 
 
+class _FlowMapping(tuple):
+    """(ranks, fraction) pairs that _scalar writes as a YAML flow mapping {2: 0.658, 4: 0.74}."""
+
+
 def _scalar(value: Any) -> str:
+    if isinstance(value, _FlowMapping):
+        return "{" + ", ".join(f"{int(k)}: {_scalar(float(v))}" for k, v in value) + "}"
     if isinstance(value, bool) or value is None:
         return json.dumps(value)
     if isinstance(value, int):
@@ -371,7 +399,12 @@ def dump_profile(
     for level in ("intra_node", "inter_node"):
         lines.append(f"{level}:")
         for field in dataclasses.fields(LinkSpec):
-            put(1, field.name, getattr(getattr(spec, level), field.name), f"{level}.{field.name}")
+            value = getattr(getattr(spec, level), field.name)
+            if field.name == BY_RANKS:
+                if value:  # a flow mapping: YAML reads it back with integer keys
+                    put(1, field.name, _FlowMapping(value), f"{level}.{field.name}")
+                continue
+            put(1, field.name, value, f"{level}.{field.name}")
     if spec.notes:
         lines.append("notes:")
         lines += [f"  - {_scalar(note)}" for note in spec.notes]

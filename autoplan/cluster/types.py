@@ -88,6 +88,18 @@ class LinkSpec:
     # such path and sizes the cross-node communicator's channels from it (cost/overlap.nccl_channels).
     # 0 = unknown (cross-node channels fall back to DeviceSpec.nccl_sms)
     nccl_path_bw_bytes_per_s: float = 0.0
+    # intra-node link: nccl-tests all_reduce_perf's large-message bus bandwidth / bw measured for groups of
+    # that many ranks inside one node, where it differs from allreduce_busbw_fraction (a 2-rank ring on
+    # NVSwitch reaches less than an 8-rank one): ((ranks, fraction), ...), ranks ascending; a group size not
+    # listed uses allreduce_busbw_fraction. () = one fraction for every group size
+    allreduce_busbw_fraction_by_ranks: tuple[tuple[int, float], ...] = ()
+
+    def busbw_fraction(self, ranks: int) -> float:
+        """The all-reduce bus-bandwidth fraction of a ring of `ranks` members on this link."""
+        for listed, fraction in self.allreduce_busbw_fraction_by_ranks:
+            if listed == ranks:
+                return fraction
+        return self.allreduce_busbw_fraction
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

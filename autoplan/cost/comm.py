@@ -49,7 +49,9 @@ def _placement(sizes: tuple[int, ...], wanted: tuple[bool, ...], devices_per_nod
 def _ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tuple[float, float]:
     """(bandwidth, per-step latency) of a ring over the group.
 
-    Inside a node: the NVLink-class link at its measured bus-bandwidth fraction. Across nodes NCCL
+    Inside a node: the NVLink-class link at its measured bus-bandwidth fraction, for all-reduce-class rings
+    the one measured for the group's size (LinkSpec.busbw_fraction: on A100 NVSwitch a 2-rank all-reduce
+    reaches 197 GB/s of bus bandwidth, an 8-rank one 229). Across nodes NCCL
     runs its rings through the NICs (nccl-tests PERFORMANCE.md; NCCL sets one ring per NIC): a node
     holding `per_node` members of the group drives `per_node` NICs, so the ring's bottleneck is
     min(intra bus bw, per_node * per-device NIC bw * fraction) and every step waits on the
@@ -57,6 +59,8 @@ def _ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tupl
     intra, inter = cluster.intra_node, cluster.inter_node
     intra_bw = intra.bw_bytes_per_s * getattr(intra, fraction)
     if not group.crosses_nodes:
+        if fraction == "allreduce_busbw_fraction":  # by the group's size where the profile measured it
+            intra_bw = intra.bw_bytes_per_s * intra.busbw_fraction(group.size)
         return intra_bw, intra.latency_s
     inter_bw = group.per_node * inter.bw_bytes_per_s * getattr(inter, fraction)
     bw = min(intra_bw, inter_bw) if group.per_node > 1 else inter_bw
