@@ -26,10 +26,11 @@ from autoplan.cost.memory import nccl_buffer_bytes, state_bytes_per_param
 from autoplan.cost.overlap import contention_fraction
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
-from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.pipeline_terms import pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, int_codes, per_mesh, price_rows
-from autoplan.search.space import RECOMPUTES, SCHEDULES
+from autoplan.search.schedules import Shared, by_schedule, shared_pipeline
+from autoplan.search.space import RECOMPUTES
 
 _LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "reduce_every_microbatch",
                   "weight_gathers_per_microbatch", "weight_gathers_per_step")
@@ -119,6 +120,11 @@ def _bucket_count(params: np.ndarray, layers: np.ndarray, bucket: int) -> np.nda
     return np.maximum(np.ceil(params / bucket), 1.0)
 
 
+def microbatches(c: dict[str, np.ndarray], global_batch: int) -> np.ndarray:
+    """Microbatches per step of each candidate (ParallelConfig.num_microbatches), as floats."""
+    return (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
+
+
 def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
              c: dict[str, np.ndarray], pp: int, v: int, global_batch: int, cluster: ClusterSpec,
              engine: Engine, pricing: Pricing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,7 +132,15 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     sums [n, p] of the per-layer fields (time, fwd, bwd_weight, act, params, dense_params,
     expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops and out_bytes;
     `pricing` what the collectives of one quick estimate share (search/pricing.py)."""
-    m = (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
+    shared = assemble_shared(f, layers_per_rank, extra, c, pp, v, cluster, engine, pricing)
+    return by_schedule(shared, None, c["schedule"], microbatches(c, global_batch), f["act"], extra["work"], pp, v)
+
+
+def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
+                    c: dict[str, np.ndarray], pp: int, v: int, cluster: ClusterSpec, engine: Engine,
+                    pricing: Pricing | None = None) -> Shared:
+    """assemble's terms that do not depend on the schedule (search/schedules.py), per row of `c` (whose
+    schedule column is not read: rows equal but for it give the same terms); arguments as assemble's."""
     lay = layouts(c, engine)
     sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
@@ -177,15 +191,15 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac)
     x = f["time"] + hops + dp_f + dp_b
-    pipe = _pipeline(x, f["bwd_weight"], c, m, v, steady)
+    peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
-    step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
-                             dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
-                             int(extra.get("last_rank", pp - 1))) + _optimizer(f, c, lay, cluster, engine)
+    once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
+                       dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
+                       int(extra.get("last_rank", pp - 1))), _optimizer(f, c, lay, cluster, engine)]
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
-        step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
-    mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
-    return step, mem, acts
+        once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
+    states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
+    return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve)
 
 
 def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_s: np.ndarray
@@ -276,14 +290,6 @@ def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers):
     return gather * modules, gather * modules * (gathers - 1.0) + exposed_red, hidden
 
 
-def _pipeline(x, weight, c, m, v, steady=0.0):
-    """cost.pipeline.pipeline_time_s over [n, p]: m max_r (X_r + steady_r) + (sum_r Y_r - max_r Y_r) / v'."""
-    zb = (c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE))[:, None]
-    y = np.where(zb, np.maximum(x - (2.0 if v == 1 else 3.0) * weight, 0.0), x)
-    chunks = np.where((c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED)) | zb[:, 0], v, 1)
-    return m * (x + steady).max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
-
-
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire,
                w, cluster, copy_in, async_tail, tied, last_rank) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
@@ -320,10 +326,10 @@ def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
     return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
 
 
-def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes):
-    """cost.memory.rank_memory term by term: model states under the layout, ZeRO-3's working set and
-    ZeRO-2's reduce buffers (cost.memory.zero2_reduce_bytes),
-    activations x in-flight microbatches + the working set, runtime reserve + NCCL buffers."""
+def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
+    """cost.memory.rank_memory term by term but the activations (schedules.by_schedule adds them: x in-flight
+    microbatches + the working set): (model states under the layout + ZeRO-3's working set and ZeRO-2's
+    reduce buffers (cost.memory.zero2_reduce_bytes) [n, p], runtime reserve + NCCL buffers [n])."""
     dense_n = (c["dp"] * c["ep"] * c["cp"])[:, None]
     expert_n = expert_dp_degree(c)[:, None]
     shard = f["dense_params"] / dense_n + f["expert_params"] / expert_n
@@ -338,23 +344,8 @@ def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspee
     working = np.where(deepspeed[:, None], ds, np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0))
     zero2 = ((lay["shards_gradients"] > 0) & (lay["shards_weights"] == 0) & (lay["reduce_every_microbatch"] > 0))
     working = working + np.where(zero2[:, None], extra["max_params"] * (w + (wire if wire != w else 0.0)), 0.0)
-    acts = f["act"] * inflight(c["schedule"], pp, v, m) + extra["work"]
     nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster))
-    reserve = cluster.device.runtime_reserve_bytes + nccl
-    return (states + working + acts).max(axis=1) + reserve, acts.max(axis=1)
-
-
-def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
-    """cost.pipeline.in_flight_microbatches per [candidate, rank]: GPipe all m; 1F1B and zero bubble
-    p - r; interleaved Megatron's warm-up (2 (p - r - 1) + (v - 1) p + 1) / v; never more than m."""
-    r = np.arange(p)[None, :]
-    s = schedule[:, None]
-    m2 = m[:, None].astype(float)
-    one_f_one_b = np.broadcast_to(p - r, (len(m), p)).astype(float)
-    interleaved = (2.0 * (p - r - 1) + (v - 1) * p + 1) / v
-    out = np.where(s == SCHEDULES.index(Schedule.GPIPE), m2, one_f_one_b)
-    out = np.where((s == SCHEDULES.index(Schedule.INTERLEAVED)) & (v > 1), interleaved, out)
-    return np.minimum(out, m2)
+    return states + working, cluster.device.runtime_reserve_bytes + nccl
 
 
 def max_param_numel(graph: Any, tp: np.ndarray) -> np.ndarray:

@@ -19,10 +19,11 @@ from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
-from autoplan.search.assemble import assemble, max_param_numel
-from autoplan.search.assemble import inflight as _inflight
+from autoplan.search.assemble import assemble_shared, max_param_numel, microbatches
 from autoplan.search.layercache import layer_costs
 from autoplan.search.pricing import Pricing, int_codes
+from autoplan.search.schedules import by_schedule
+from autoplan.search.schedules import inflight as _inflight
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
@@ -159,19 +160,33 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                                                         or engine.zero3_serial_grad_checks) else None)
         for part in _chunks(inverse.reshape(-1)[order], max(CHUNK // pp, 64)):
             rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
-            extra = {"hops": np.broadcast_to(shape["hops"], (len(rows), pp)), "out_bytes": shape["out_bytes"][key],
-                     "act_sends": shape["act_sends"], "act_recvs": shape["act_recvs"],
-                     "tied": graph.tied_embedding_params, "last_rank": shape["last_rank"],
-                     "max_numel": max_numel[rows], "max_params": shape["max_params"][key],
-                     "work": shape["work"][key]}
-            if per_step is not None:
-                extra.update({k: a[order[part]] for k, a in per_step.items()})
-            f = {name: shape["per_rank"][:, :, i][key] for i, name in enumerate(FIELDS)}
             cols = {k: col[rows] for k, col in c.items()}
+            first, of = _unique_but_schedule(cols)  # the rows to assemble: one of each equal but for the schedule
+            extra = {"hops": np.broadcast_to(shape["hops"], (len(first), pp)),
+                     "out_bytes": shape["out_bytes"][key[first]], "act_sends": shape["act_sends"],
+                     "act_recvs": shape["act_recvs"], "tied": graph.tied_embedding_params,
+                     "last_rank": shape["last_rank"], "max_numel": max_numel[rows[first]],
+                     "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]]}
+            if per_step is not None:
+                extra.update({k: a[order[part]][first] for k, a in per_step.items()})
+            f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(FIELDS)}
             # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
-            step[rows], peak[rows], act_out[rows] = assemble(f, shape["layers_per_rank"], extra, cols, pp, v,
-                                                             global_batch, cluster, engine, Pricing(prices, key))
+            shared = assemble_shared(f, shape["layers_per_rank"], extra, {k: col[first] for k, col in cols.items()},
+                                     pp, v, cluster, engine, Pricing(prices, key[first]))
+            act, work = shape["per_rank"][:, :, FIELDS.index("act")][key], shape["work"][key]
+            step[rows], peak[rows], act_out[rows] = by_schedule(
+                shared, of, cols["schedule"], microbatches(cols, global_batch), act, work, pp, v)
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
+
+
+def _unique_but_schedule(cols: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(a row of each distinct combination of the columns other than the schedule, each row's index among
+    those; None when every row is its own): the rows search/schedules.py's Shared is assembled for."""
+    code = int_codes(*(col for name, col in cols.items() if name != "schedule"))
+    _, first, of = np.unique(code, return_index=True, return_inverse=True)
+    if len(first) == len(code):
+        return np.arange(len(code)), None
+    return first, of.reshape(-1)
 
 
 CHUNK = 65536  # candidates x pipeline ranks assembled at once: arrays of about 512 kB, which stay in cache
