@@ -209,8 +209,9 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
     `expert_s`), and the dense group's own (DeepSpeed's stage 3 prices it alone)."""
     per_node = cluster.devices_per_node
     fd = per_mesh(sizes, lambda config: contention_fraction(
-        cluster, comm.group_placement(config, ("dp", "ep", "cp"), per_node)))[:, None]
-    fe = per_mesh(sizes, lambda config: contention_fraction(cluster, expert_dp_placement(config, per_node)))[:, None]
+        cluster, comm.group_placement(config, ("dp", "ep", "cp"), per_node)), "dp-contention")[:, None]
+    fe = per_mesh(sizes, lambda config: contention_fraction(cluster, expert_dp_placement(config, per_node)),
+                  "edp-contention")[:, None]
     total = dense_s + expert_s
     mixed = (fd * dense_s + fe * expert_s) / np.where(total > 0, total, 1.0)
     return np.where(expert_s > 0, mixed, fd + 0.0 * total), fd
@@ -344,7 +345,7 @@ def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
     working = np.where(deepspeed[:, None], ds, np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0))
     zero2 = ((lay["shards_gradients"] > 0) & (lay["shards_weights"] == 0) & (lay["reduce_every_microbatch"] > 0))
     working = working + np.where(zero2[:, None], extra["max_params"] * (w + (wire if wire != w else 0.0)), 0.0)
-    nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster))
+    nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster), "nccl-buffers")
     return states + working, cluster.device.runtime_reserve_bytes + nccl
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -101,13 +102,19 @@ def unique_rows(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([col[first] for col in cols], axis=1), inverse.reshape(-1)
 
 
-def per_mesh(mesh: Mesh, fn: Callable[[ParallelConfig], float]) -> np.ndarray:
-    """fn(config of the mesh) per candidate, once per distinct mesh."""
-    values = np.array([fn(config_of(row)) for row in mesh.meshes])
+def per_mesh(mesh: Mesh, fn: Callable[[ParallelConfig], float], tag: Hashable = None) -> np.ndarray:
+    """fn(config of the mesh) per candidate, once per distinct mesh; with a `tag` (naming fn), once per
+    quick estimate: kept in mesh.prices under (tag, mesh row), as every chunk and pipeline shape asks again."""
+    if tag is None:
+        values = np.array([fn(config_of(row)) for row in mesh.meshes])
+    else:
+        values = np.array([_memo(mesh.prices, (tag, row), lambda row=row: fn(config_of(row))) for row in mesh.meshes])
     return values[mesh.class_mesh][mesh.inverse]
 
 
+@lru_cache(maxsize=4096)
 def config_of(mesh: tuple[int, ...]) -> ParallelConfig:
+    """The (validated, frozen) ParallelConfig of a mesh row, made once per distinct row."""
     pp, dp, ep, cp, tp, etp, eep = mesh
     return ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp, etp=etp, eep=eep)
 
