@@ -224,11 +224,27 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
     out = {"per_rank": _per_rank(per_stage, placement, ranks), "layers_per_rank": np.diff(bounds) @ placement,
            "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
            "last_rank": ranks[-1], **_cut_sides(ranks, pp)}
-    for name in ("params", "work"):  # per-rank maxima over the rank's stages
-        stage_max = np.maximum.reduceat(table[keys, :, FIELDS.index(name)], bounds[:-1], axis=1)
-        out["max_params" if name == "params" else "work"] = np.stack(
-            [stage_max[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1) for k in range(pp)], axis=1)
+    out["max_params"], out["work"] = _rank_maxima(graph, table, keys, bounds, ranks, pp)
     return out
+
+
+def _rank_maxima(graph: LayerGraph, table: np.ndarray, keys: np.ndarray, bounds: np.ndarray,
+                 ranks: tuple[int, ...], pp: int) -> tuple[np.ndarray, np.ndarray]:
+    """The per-rank maxima of params and work over the rank's layers [keys, p]. Every layer of a kind has
+    its kind's values (layer_table), so the maximum over a rank's layers is the maximum over the kinds it
+    holds: a few columns of the table, not all of its layers (max is exact, so the figures are the same);
+    a shape with an empty stage takes numpy's reduceat over the layers, as before."""
+    fields = [FIELDS.index("params"), FIELDS.index("work")]
+    if (np.diff(bounds) == 0).any():
+        stage_max = [np.maximum.reduceat(table[keys, :, f], bounds[:-1], axis=1) for f in fields]
+        return tuple(np.stack([m[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1) for k in range(pp)],
+                              axis=1) for m in stage_max)
+    _, rep, kind_of = np.unique([layer.kind for layer in graph.layers], return_index=True, return_inverse=True)
+    held = np.zeros((pp, len(rep)), dtype=bool)  # [rank, kind]: whether the rank holds a layer of the kind
+    for s, r in enumerate(ranks):
+        held[r, kind_of.reshape(-1)[bounds[s]:bounds[s + 1]]] = True
+    values = table[keys[:, None], rep[None, :]]  # [keys, kinds, F]
+    return tuple(np.where(held[None], values[:, None, :, f], -np.inf).max(axis=2) for f in fields)
 
 
 def _pipeline_shapes(pp: np.ndarray, v: np.ndarray, v_shape: np.ndarray) -> list[np.ndarray]:
