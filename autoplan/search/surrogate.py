@@ -28,6 +28,8 @@ from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
 FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work", "host")
+# the fields summed per pipeline rank (search/assemble.py reads these sums; of params and work the maxima)
+SUMMED = ("time", "fwd", "bwd_weight", "act", "dense_params", "expert_params", "host")
 _KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
 # what a key column a layer does not read is set to (recompute 0: Recompute.NONE; etp, eep 0: as tp, ep)
 _CANONICAL = {"ep": 1, "recompute": 0, "etp": 0, "eep": 0}
@@ -144,9 +146,10 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
     key_of, table = layer_table(graph, cluster, space, cost)
     c = space.columns
     step, peak, act_out = np.zeros(len(space)), np.zeros(len(space)), np.zeros(len(space))
-    cum = np.empty((table.shape[0], table.shape[1] + 1, table.shape[2]))  # [keys, layers + 1, F], in place:
+    cum = np.empty((table.shape[0], table.shape[1] + 1, len(SUMMED)))  # [keys, layers + 1, summed F], in place:
     cum[:, 0] = 0.0  # deepseek-v3's table is 224 MB, and a concatenate would copy it once more
-    np.cumsum(table, axis=1, out=cum[:, 1:])
+    for j, name in enumerate(SUMMED):
+        np.cumsum(table[:, :, FIELDS.index(name)], axis=1, out=cum[:, 1:, j])
     v_shape = ((c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE)) & (c["virtual_stages"] == 2)).astype(int)
     max_numel = max_param_numel(graph, c["tp"])
     prices: dict = {}  # every collective priced once per quick estimate (search/pricing.py)
@@ -169,11 +172,11 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                      "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]]}
             if per_step is not None:
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
-            f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(FIELDS)}
+            f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
             # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
             shared = assemble_shared(f, shape["layers_per_rank"], extra, {k: col[first] for k, col in cols.items()},
                                      pp, v, cluster, engine, Pricing(prices, key[first]))
-            act, work = shape["per_rank"][:, :, FIELDS.index("act")][key], shape["work"][key]
+            act, work = shape["per_rank"][:, :, SUMMED.index("act")][key], shape["work"][key]
             step[rows], peak[rows], act_out[rows] = by_schedule(
                 shared, of, cols["schedule"], microbatches(cols, global_batch), act, work, pp, v)
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
@@ -209,7 +212,8 @@ def _chunks(sorted_keys: np.ndarray, rows: int) -> list[slice]:
 def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, cum: np.ndarray, keys: np.ndarray,
                   cost: Any) -> dict[str, np.ndarray]:
     """For one pipeline shape (the config's pp, virtual stages and schedule: the schedule decides the placement,
-    plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the fields [keys, p, F], the
+    plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the SUMMED fields [keys, p, F]
+    (from `cum`, their cumulative sums over the layers), the
     per-rank maxima of params and work [keys, p], layers per rank, p2p hops and what a pipeline cut sends."""
     pp, v = config.pp, config.virtual_stages
     names = {layer.name: i for i, layer in enumerate(graph.layers)}
