@@ -28,7 +28,16 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.pipeline_terms import pipeline_hops, tied_reduce, tied_tail
-from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, int_codes, per_mesh, price_rows
+from autoplan.search.pricing import (
+    MESH_COLS,
+    Mesh,
+    Pricing,
+    config_of,
+    int_codes,
+    per_mesh,
+    price_classes,
+    price_rows,
+)
 from autoplan.search.schedules import Shared, by_schedule, shared_pipeline
 from autoplan.search.space import RECOMPUTES
 
@@ -76,10 +85,11 @@ def expert_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarray,
-                 cluster: ClusterSpec) -> np.ndarray:
+                 cluster: ClusterSpec, per_class: bool = False) -> np.ndarray:
     """cost.comm's time of `kind` ('ag', 'rs', 'ar') for each candidate's group over `axes` (the mesh from
-    mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array [n] or [n, p]);
-    each distinct (group placement, bytes) pair is priced once (search/pricing.py)."""
+    mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array [n] or [n, p];
+    with `per_class`, one row per class of the mesh, and so the result); each distinct (group placement,
+    bytes) pair is priced once (search/pricing.py)."""
     mesh = sizes if isinstance(sizes, Mesh) else Mesh.of(sizes)
     per_node = cluster.devices_per_node
     if axes == EXPERT_DP:
@@ -89,8 +99,9 @@ def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarr
         def place(row: tuple[int, ...]) -> Any:
             return comm.group_placement(config_of(row), axes, per_node)
     fn = _KINDS[kind]
-    return price_rows(mesh, np.round(np.asarray(nbytes, dtype=float)), place, lambda b, group: fn(b, group, cluster),
-                      (axes, kind))
+    price = price_classes if per_class else price_rows
+    return price(mesh, np.round(np.asarray(nbytes, dtype=float)), place, lambda b, group: fn(b, group, cluster),
+                 (axes, kind))
 
 
 def _uniform_exposed(compute: np.ndarray, pre: np.ndarray, post: np.ndarray, layers: np.ndarray) -> np.ndarray:
@@ -151,10 +162,16 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     dense, expert = f["dense_params"], f["expert_params"]
     hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp)
 
-    def per_layer(kind: str, elem_bytes: float) -> tuple[np.ndarray, np.ndarray]:  # a rank's layers' collectives
-        d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
-        e = collective_s(kind, sizes, expert_axes, expert / layers * elem_bytes, cluster) * layers
-        return d, e
+    # a rank's layers' collectives: per class of the mesh when its candidates share their parameters (a class
+    # of quick_estimate's is a layer-table key), spread to the candidates, else per candidate
+    by_class = (dense[sizes.reps], expert[sizes.reps]) if sizes.uniform(dense, expert) else None
+
+    def per_layer(kind: str, elem_bytes: float) -> tuple[np.ndarray, np.ndarray]:
+        if by_class is None:
+            return tuple(collective_s(kind, sizes, axes, params / layers * elem_bytes, cluster) * layers
+                         for axes, params in ((dense_axes, dense), (expert_axes, expert)))
+        return tuple((collective_s(kind, sizes, axes, params / layers * elem_bytes, cluster, per_class=True)
+                      * layers)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
 
     (gather_d, gather_e), scatter = per_layer("ag", w), lay["reduce_scatter"][:, None] > 0
     (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", wire), per_layer("ar", wire)

@@ -72,6 +72,11 @@ class Mesh:
     def __len__(self) -> int:
         return len(self.sizes)
 
+    def uniform(self, *arrays: np.ndarray) -> bool:
+        """Whether every row of each array ([n] or [n, p]) equals its class representative's: then a value
+        computed per class (price_classes) and spread to the rows is the value computed per row."""
+        return all(bool((a[self.reps][self.inverse] == a).all()) for a in arrays)
+
 
 def int_codes(*columns: np.ndarray) -> np.ndarray:
     """One integer per distinct row of the non-negative integer columns: mixed radix (column maximum + 1)
@@ -138,6 +143,19 @@ def price_rows(mesh: Mesh, values: np.ndarray, place: Callable[[tuple[int, ...]]
         out[odd] = _price_distinct(mesh, mesh.class_mesh[mesh.inverse[odd]], flat[odd], place, fn, tags,
                                    skip_nonpositive)
     return out.reshape(values.shape)
+
+
+def price_classes(mesh: Mesh, values: np.ndarray, place: Callable[[tuple[int, ...]], Hashable],
+                  fn: Callable[[float, Any], float], tags: tuple[Hashable, Hashable], skip_nonpositive: bool = True
+                  ) -> np.ndarray:
+    """price_rows for values given per class of `mesh` ([classes] or [classes, p]; every row of a class asks
+    its class's question, see Mesh.uniform), per class: price_rows' representatives' prices, without
+    spreading them to the rows and checking each row against its representative."""
+    values = np.asarray(values, dtype=float)
+    flat = values.reshape(len(values), -1)
+    if skip_nonpositive and (flat <= 0).all():
+        return np.zeros(values.shape)
+    return _price_distinct(mesh, mesh.class_mesh, flat, place, fn, tags, skip_nonpositive).reshape(values.shape)
 
 
 def _price_distinct(mesh: Mesh, mesh_of: np.ndarray, values: np.ndarray, place: Callable[[tuple[int, ...]], Hashable],
