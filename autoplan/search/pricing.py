@@ -50,6 +50,7 @@ class Mesh:
     class_mesh: np.ndarray  # each class's index in `meshes`
     meshes: tuple[tuple[int, ...], ...]  # the distinct meshes
     prices: dict[tuple, Any]
+    groups: dict[tuple, Any] = field(default_factory=dict)  # (axes tag, index in meshes) -> its group placement
 
     @staticmethod
     def of(sizes: np.ndarray, pricing: Pricing | None = None) -> Mesh:
@@ -164,24 +165,37 @@ def _price_distinct(mesh: Mesh, mesh_of: np.ndarray, values: np.ndarray, place: 
     """fn(value, group of its row's mesh) for each element of values [m, p] (row i's mesh is
     mesh.meshes[mesh_of[i]]), each distinct (mesh, value) looked up once, each price computed once per
     quick estimate (mesh.prices)."""
-    per = values.shape[1]
-    distinct, rank = np.unique(values.reshape(-1), return_inverse=True)
-    pairs, inverse = np.unique(np.repeat(mesh_of.astype(np.int64), per) * len(distinct) + rank.reshape(-1),
-                               return_inverse=True)
-    memo, meshes, groups = mesh.prices, mesh.meshes, {}
-    out = np.zeros(len(pairs))
-    for i, (m, b) in enumerate(zip((pairs // len(distinct)).tolist(), distinct[pairs % len(distinct)].tolist())):
+    ms, bs, inverse = _distinct_pairs(mesh_of, values, len(mesh.meshes))
+    memo, meshes, groups = mesh.prices, mesh.meshes, mesh.groups
+    out = np.zeros(len(ms))
+    for i, (m, b) in enumerate(zip(ms, bs)):
         if skip_nonpositive and b <= 0:
             continue
-        group = groups.get(m)
+        group = groups.get((tags[0], m))
         if group is None:
-            group = groups[m] = _memo(memo, ("group", tags[0], meshes[m]), lambda m=m: place(meshes[m]))
+            group = groups[tags[0], m] = _memo(memo, ("group", tags[0], meshes[m]), lambda m=m: place(meshes[m]))
         key = (tags[1], group, b)
         value = memo.get(key)
         if value is None:
             value = memo[key] = fn(b, group)
         out[i] = value
     return out[inverse.reshape(-1)].reshape(values.shape)
+
+
+def _distinct_pairs(mesh_of: np.ndarray, values: np.ndarray, meshes: int) -> tuple[list[int], list[float], np.ndarray]:
+    """The distinct (mesh index, value) pairs of values [m, p] (row i's mesh mesh_of[i]), ascending, and
+    each element's pair: one unique of mesh * radix + value when the values are whole numbers of bytes
+    (collectives price rounded sizes), else one of the values and one of the pairs of ranks."""
+    per, flat = values.shape[1], values.reshape(-1)
+    rows = np.repeat(mesh_of.astype(np.int64), per)
+    top = float(flat.max(initial=0.0))
+    if flat.size and flat.min() >= 0 and top < 2.0**52 / max(meshes, 1) and (flat == np.floor(flat)).all():
+        radix = int(top) + 1
+        pairs, inverse = np.unique(rows * radix + flat.astype(np.int64), return_inverse=True)
+        return (pairs // radix).tolist(), (pairs % radix).astype(float).tolist(), inverse.reshape(-1)
+    distinct, rank = np.unique(flat, return_inverse=True)
+    pairs, inverse = np.unique(rows * len(distinct) + rank.reshape(-1), return_inverse=True)
+    return (pairs // len(distinct)).tolist(), distinct[pairs % len(distinct)].tolist(), inverse.reshape(-1)
 
 
 def _memo(memo: dict[tuple, Any], key: tuple, make: Callable[[], Any]) -> Any:
