@@ -8,6 +8,7 @@ Final numbers never come from here: search.py re-estimates the shortlist with `e
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -112,9 +113,23 @@ def _key_cols(layer: Any) -> tuple[str, ...]:
 
 def _estimate(layer: Any, cluster: ClusterSpec, key: list[int], dp: int, graph: LayerGraph, cost: Any) -> Any:
     tp, cp, ep, sp, mb, rec, etp, eep = key
-    config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=RECOMPUTES[rec], dp=dp,
-                            etp=etp, eep=eep)
+    config = key_config(tp=tp, cp=cp, ep=ep, sp=bool(sp) and tp > 1, microbatch=mb, recompute=RECOMPUTES[rec],
+                        dp=dp, etp=etp, eep=eep)
     return cost.estimate_layer(layer, cluster, config, RECOMPUTES[rec], seq_len=graph.seq_len)
+
+
+_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
+
+
+def key_config(**fields: Any) -> ParallelConfig:
+    """The ParallelConfig of a layer-table key, its fields set without __post_init__'s checks (a tenth of a
+    cold layer table's time): a key's values are a valid candidate's (enumerate_space), given as
+    __post_init__ leaves them (Python ints, enums, sp only over tp > 1; test_search_layer_table checks that
+    the result equals the validated one). Anything a user gives still goes through ParallelConfig(...)."""
+    config = object.__new__(ParallelConfig)
+    for name, value in {**_CONFIG_DEFAULTS, **fields}.items():
+        object.__setattr__(config, name, value)
+    return config
 
 
 def _fields(c: Any) -> tuple[float, ...]:
