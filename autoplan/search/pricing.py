@@ -23,7 +23,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+# numpy.ma: np.unique's first plain call imports it (numpy/lib/_arraysetops_impl.py, _unique1d); imported with
+# the search (while a cold preset is captured, graph/named.py), not once in each quick-estimate piece
 import numpy as np
+import numpy.ma
 
 from autoplan.plan.types import ParallelConfig
 
@@ -65,9 +68,9 @@ class Mesh:
             _, reps, inverse = np.unique(int_codes(pricing.classes, *sizes.T), return_index=True,
                                          return_inverse=True)
             inverse = inverse.reshape(-1)
-        uniq, class_mesh = unique_rows(*sizes[reps].T)
-        return Mesh(sizes=sizes, reps=reps, inverse=inverse, class_mesh=class_mesh,
-                    meshes=tuple(tuple(int(x) for x in row) for row in uniq.tolist()),
+        _, first, class_mesh = np.unique(int_codes(*sizes[reps].T), return_index=True, return_inverse=True)
+        return Mesh(sizes=sizes, reps=reps, inverse=inverse, class_mesh=class_mesh.reshape(-1),
+                    meshes=tuple(tuple(int(x) for x in row) for row in sizes[reps][first].tolist()),
                     prices=pricing.prices if pricing is not None else {})
 
     def __len__(self) -> int:
@@ -94,18 +97,6 @@ def int_codes(*columns: np.ndarray) -> np.ndarray:
         values, rank = np.unique(col, return_inverse=True)
         code = code * len(values) + rank.reshape(-1)
     return code
-
-
-def unique_rows(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct rows of the stacked columns and, for each input row, the index of its distinct row
-    (each column ranked on its own, the ranks combined into one integer key: 1-D uniques are fast)."""
-    cols = [np.asarray(c, dtype=float).reshape(-1) for c in columns]
-    key = np.zeros(len(cols[0]), dtype=np.int64)
-    for col in cols:
-        values, rank = np.unique(col, return_inverse=True)
-        key = key * len(values) + rank.reshape(-1)
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return np.stack([col[first] for col in cols], axis=1), inverse.reshape(-1)
 
 
 def per_mesh(mesh: Mesh, fn: Callable[[ParallelConfig], float], tag: Hashable = None) -> np.ndarray:
