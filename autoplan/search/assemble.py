@@ -27,6 +27,7 @@ from autoplan.cost.overlap import contention_fraction
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.search.exposed import exposed, uniform_exposed
 from autoplan.search.pipeline_terms import pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import (
     MESH_COLS,
@@ -104,26 +105,6 @@ def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarr
                  (axes, kind))
 
 
-def _uniform_exposed(compute: np.ndarray, pre: np.ndarray, post: np.ndarray, layers: np.ndarray) -> np.ndarray:
-    """Exposed communication of `layers` equal layers (per-layer compute c, a prefetched collective g
-    before and a collective q after each), the closed form of overlap.exposed_s: g + (L - 1) max(0,
-    g + q - c) + q; zero when there is nothing to communicate."""
-    c, g, q = compute / layers, pre / layers, post / layers
-    out = g + (layers - 1) * np.maximum(g + q - c, 0.0) + q
-    return np.where((pre > 0) | (post > 0), out, 0.0)
-
-
-def _exposed(compute, pre, post, layers, overlap_pre: bool, overlap_post: bool, f: float) -> np.ndarray:
-    """cost.dataparallel._overlap for equal layers: the overlapped collectives' exposed part, the others
-    in full, plus the compute lost to SM contention under the hidden ones."""
-    zeros = np.zeros_like(compute)
-    ov_pre, ov_post = (pre if overlap_pre else zeros), (post if overlap_post else zeros)
-    exposed = _uniform_exposed(compute, ov_pre, ov_post, layers)
-    hidden = np.maximum(ov_pre + ov_post - exposed, 0.0)
-    serial = (zeros if overlap_pre else pre) + (zeros if overlap_post else post)
-    return exposed + serial + f * hidden
-
-
 def _bucket_count(params: np.ndarray, layers: np.ndarray, bucket: int) -> np.ndarray:
     """How many collectives a rank's gradients take: one per layer, or per bucket of `bucket` elements."""
     if not bucket:
@@ -188,7 +169,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
                    memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
-    z3_fwd = np.where(gmb >= 2, _exposed(fwd, gather, 0 * gather, layers, engine.param_gather_overlap, True, frac)
+    z3_fwd = np.where(gmb >= 2, exposed(fwd, gather, None, layers, engine.param_gather_overlap, True, frac)
                       + copy_out, 0.0)
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
@@ -196,7 +177,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     # each hidden by the backward after it: the closed form over that many equal units; with per-layer
     # gathers beside them, over the layers
     units = np.minimum(_bucket_count(dense + expert, layers, engine.dp_bucket_numel), layers)
-    dp_b = _exposed(bwd, pre_b, post_b, np.where(gmb >= 1, layers, units), engine.param_gather_overlap,
+    dp_b = exposed(bwd, pre_b, post_b, np.where(gmb >= 1, layers, units), engine.param_gather_overlap,
                     engine.dp_comm_overlap, frac)
     dp_b = np.where((gmb >= 1) | every,
                     dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
@@ -289,8 +270,8 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
         exp_f, exp_b = exp_f + host_f, exp_b + host_b
         return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + frac * hidden, dp_b)
     comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
-    exp_f = _uniform_exposed(f["fwd"] + host_f, comm_f, 0.0 * comm_f, modules) + (before + after) * modules + host_f
-    exp_b = (_uniform_exposed(f["time"] - f["fwd"] + host_b, comm_b, 0.0 * comm_b, modules)
+    exp_f = uniform_exposed(f["fwd"] + host_f, comm_f, None, modules) + (before + after) * modules + host_f
+    exp_b = (uniform_exposed(f["time"] - f["fwd"] + host_b, comm_b, None, modules)
              + (before + after) * modules * (gathers - 1) + host_b)
     pen = frac * np.maximum(comm_f + comm_b - exp_f - exp_b + host_f + host_b, 0.0)
     return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + pen, dp_b)
@@ -317,7 +298,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
-        tail = _exposed(bwd_all, 0.0 * reduce, reduce, units, True, True, frac)  # per filled bucket, as dp_b
+        tail = exposed(bwd_all, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
     else:
         d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
         a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
@@ -330,7 +311,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     dp_tail = tied_tail(per_rank, offsets, tied, last_rank, engine.tied_reduce_before_dp)
     step_gather = lay["weight_gathers_per_step"][:, None] > 0
     if engine.param_gather_overlap:
-        pg = _exposed(fwd, gather, 0.0 * gather, layers, True, True, frac) + copy_out
+        pg = exposed(fwd, gather, None, layers, True, True, frac) + copy_out
     else:
         pg = collective_s("ag", sizes, ("dp", "ep", "cp"), dense * w, cluster) + copy_out
     return dp_tail + np.where(step_gather, pg, 0.0).max(axis=1)
