@@ -258,12 +258,16 @@ def _rank_maxima(graph: LayerGraph, table: np.ndarray, keys: np.ndarray, bounds:
         stage_max = [np.maximum.reduceat(table[keys, :, f], bounds[:-1], axis=1) for f in fields]
         return tuple(np.stack([m[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1) for k in range(pp)],
                               axis=1) for m in stage_max)
-    _, rep, kind_of = np.unique([layer.kind for layer in graph.layers], return_index=True, return_inverse=True)
+    names: dict[str, int] = {}
+    kind_of = np.array([names.setdefault(layer.kind, len(names)) for layer in graph.layers])
+    _, rep = np.unique(kind_of, return_index=True)  # a layer of each kind
     held = np.zeros((pp, len(rep)), dtype=bool)  # [rank, kind]: whether the rank holds a layer of the kind
     for s, r in enumerate(ranks):
-        held[r, kind_of.reshape(-1)[bounds[s]:bounds[s + 1]]] = True
+        held[r, kind_of[bounds[s]:bounds[s + 1]]] = True
+    sets, set_of = np.unique(held, axis=0, return_inverse=True)  # the few distinct sets of kinds a rank holds
     values = table[keys[:, None], rep[None, :]]  # [keys, kinds, F]
-    return tuple(np.where(held[None], values[:, None, :, f], -np.inf).max(axis=2) for f in fields)
+    return tuple(np.stack([values[:, held_kinds, f].max(axis=1) for held_kinds in sets], axis=1)[:, set_of.reshape(-1)]
+                 for f in fields)
 
 
 def _pipeline_shapes(pp: np.ndarray, v: np.ndarray, v_shape: np.ndarray) -> list[np.ndarray]:
