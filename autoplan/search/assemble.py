@@ -339,8 +339,10 @@ def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
 
     states = w * held("shards_weights") + g * held("shards_gradients") + o * held("shards_optimizer")
     fsdp = extra["max_params"] * (3.0 * w + (wire if wire != w else 0.0))
-    ds = (3.0 * extra["max_numel"][:, None] + 2.0 * engine.zero3_reduce_bucket_numel) * w + 0.0 * fsdp
-    working = np.where(deepspeed[:, None], ds, np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0))
+    working = np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0)
+    if deepspeed.any():  # DeepSpeed's stage 3 working set instead (where it is none, np.where keeps `working`)
+        ds = (3.0 * extra["max_numel"][:, None] + 2.0 * engine.zero3_reduce_bucket_numel) * w + 0.0 * fsdp
+        working = np.where(deepspeed[:, None], ds, working)
     zero2 = ((lay["shards_gradients"] > 0) & (lay["shards_weights"] == 0) & (lay["reduce_every_microbatch"] > 0))
     working = working + np.where(zero2[:, None], extra["max_params"] * (w + (wire if wire != w else 0.0)), 0.0)
     nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster), "nccl-buffers")

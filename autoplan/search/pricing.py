@@ -104,9 +104,14 @@ def per_mesh(mesh: Mesh, fn: Callable[[ParallelConfig], float], tag: Hashable = 
     quick estimate: kept in mesh.prices under (tag, mesh row), as every chunk and pipeline shape asks again."""
     if tag is None:
         values = np.array([fn(config_of(row)) for row in mesh.meshes])
-    else:
-        values = np.array([_memo(mesh.prices, (tag, row), lambda row=row: fn(config_of(row))) for row in mesh.meshes])
-    return values[mesh.class_mesh][mesh.inverse]
+        return values[mesh.class_mesh][mesh.inverse]
+    memo, out = mesh.prices, []
+    for row in mesh.meshes:
+        value = memo.get((tag, row))
+        if value is None:
+            value = memo[tag, row] = fn(config_of(row))
+        out.append(value)
+    return np.array(out)[mesh.class_mesh][mesh.inverse]
 
 
 @lru_cache(maxsize=4096)
