@@ -310,11 +310,17 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     per_rank = np.where(active, np.where(once, tail, async_tail), 0.0)
     dp_tail = tied_tail(per_rank, offsets, tied, last_rank, engine.tied_reduce_before_dp)
     step_gather = lay["weight_gathers_per_step"][:, None] > 0
-    if engine.param_gather_overlap:
-        pg = exposed(fwd, gather, None, layers, True, True, frac) + copy_out
-    else:
+    if not engine.param_gather_overlap:
         pg = collective_s("ag", sizes, ("dp", "ep", "cp"), dense * w, cluster) + copy_out
-    return dp_tail + np.where(step_gather, pg, 0.0).max(axis=1)
+        return dp_tail + np.where(step_gather, pg, 0.0).max(axis=1)
+    # the overlapped gather on the candidates that gather once per step only (each row's figures are its own)
+    rows, slowest = np.nonzero(step_gather[:, 0])[0], np.zeros(len(dp_tail))
+    if len(rows):
+        def pick(a: Any) -> Any:
+            return a[rows] if np.ndim(a) == 2 and len(a) == len(dp_tail) else a
+        slowest[rows] = (exposed(pick(fwd), pick(gather), None, layers, True, True, pick(frac))
+                         + pick(copy_out)).max(axis=1)
+    return dp_tail + slowest
 
 
 def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
