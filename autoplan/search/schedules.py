@@ -68,7 +68,7 @@ def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
     s = schedule[:, None]
     m2 = m[:, None].astype(float)
     one_f_one_b = np.broadcast_to(p - r, (len(m), p)).astype(float)
-    interleaved = (2.0 * (p - r - 1) + (v - 1) * p + 1) / v
     out = np.where(s == _GPIPE, m2, one_f_one_b)
-    out = np.where((s == _INTERLEAVED) & (v > 1), interleaved, out)
+    if v > 1:  # (at one virtual stage an interleaved schedule is 1F1B)
+        out = np.where(s == _INTERLEAVED, (2.0 * (p - r - 1) + (v - 1) * p + 1) / v, out)
     return np.minimum(out, m2)
