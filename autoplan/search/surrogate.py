@@ -156,7 +156,8 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
     """Step time and peak memory of every candidate with the balanced split and uniform recompute, for the
     engine `cost` is bound to (autoplan.cost.with_engine; the plain module means autoplan's executor).
     Candidates are assembled per pipeline shape, in chunks of at most CHUNK rows of whole layer-table keys
-    (arrays that stay in cache; each candidate's estimate depends on its own row only)."""
+    (arrays that stay in cache; each candidate's estimate depends on its own row only), those equal but for
+    the schedule once (search/schedules.py)."""
     engine = getattr(cost, "engine", None) or Engine()
     key_of, table = layer_table(graph, cluster, space, cost)
     c = space.columns
