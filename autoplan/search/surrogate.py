@@ -229,8 +229,8 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
                   cost: Any) -> dict[str, np.ndarray]:
     """For one pipeline shape (the config's pp, virtual stages and schedule: the schedule decides the placement,
     plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the SUMMED fields [keys, p, F]
-    (from `cum`, their cumulative sums over the layers), the
-    per-rank maxima of params and work [keys, p], layers per rank, p2p hops and what a pipeline cut sends."""
+    (from `cum`, their cumulative sums over the layers), the per-rank maxima of params and work [keys, p],
+    layers per rank, p2p hops and what a pipeline cut sends."""
     pp, v = config.pp, config.virtual_stages
     names = {layer.name: i for i, layer in enumerate(graph.layers)}
     stages = cost.balanced_stages(graph, config)
