@@ -26,10 +26,21 @@ from autoplan.cost.memory import nccl_buffer_bytes, state_bytes_per_param
 from autoplan.cost.overlap import contention_fraction
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
-from autoplan.plan.types import ParallelConfig, Recompute, Schedule
+from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.search.exposed import exposed, uniform_exposed
 from autoplan.search.pipeline_terms import pipeline_hops, tied_reduce, tied_tail
-from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, int_codes, per_mesh, price_rows
-from autoplan.search.space import RECOMPUTES, SCHEDULES
+from autoplan.search.pricing import (
+    MESH_COLS,
+    Mesh,
+    Pricing,
+    config_of,
+    int_codes,
+    per_mesh,
+    price_classes,
+    price_rows,
+)
+from autoplan.search.schedules import Shared, by_schedule, shared_pipeline
+from autoplan.search.space import RECOMPUTES
 
 _LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "reduce_every_microbatch",
                   "weight_gathers_per_microbatch", "weight_gathers_per_step")
@@ -75,10 +86,11 @@ def expert_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarray,
-                 cluster: ClusterSpec) -> np.ndarray:
+                 cluster: ClusterSpec, per_class: bool = False) -> np.ndarray:
     """cost.comm's time of `kind` ('ag', 'rs', 'ar') for each candidate's group over `axes` (the mesh from
-    mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array [n] or [n, p]);
-    each distinct (group placement, bytes) pair is priced once (search/pricing.py)."""
+    mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array [n] or [n, p];
+    with `per_class`, one row per class of the mesh, and so the result); each distinct (group placement,
+    bytes) pair is priced once (search/pricing.py)."""
     mesh = sizes if isinstance(sizes, Mesh) else Mesh.of(sizes)
     per_node = cluster.devices_per_node
     if axes == EXPERT_DP:
@@ -88,28 +100,9 @@ def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarr
         def place(row: tuple[int, ...]) -> Any:
             return comm.group_placement(config_of(row), axes, per_node)
     fn = _KINDS[kind]
-    return price_rows(mesh, np.round(np.asarray(nbytes, dtype=float)), place, lambda b, group: fn(b, group, cluster),
-                      (axes, kind))
-
-
-def _uniform_exposed(compute: np.ndarray, pre: np.ndarray, post: np.ndarray, layers: np.ndarray) -> np.ndarray:
-    """Exposed communication of `layers` equal layers (per-layer compute c, a prefetched collective g
-    before and a collective q after each), the closed form of overlap.exposed_s: g + (L - 1) max(0,
-    g + q - c) + q; zero when there is nothing to communicate."""
-    c, g, q = compute / layers, pre / layers, post / layers
-    out = g + (layers - 1) * np.maximum(g + q - c, 0.0) + q
-    return np.where((pre > 0) | (post > 0), out, 0.0)
-
-
-def _exposed(compute, pre, post, layers, overlap_pre: bool, overlap_post: bool, f: float) -> np.ndarray:
-    """cost.dataparallel._overlap for equal layers: the overlapped collectives' exposed part, the others
-    in full, plus the compute lost to SM contention under the hidden ones."""
-    zeros = np.zeros_like(compute)
-    ov_pre, ov_post = (pre if overlap_pre else zeros), (post if overlap_post else zeros)
-    exposed = _uniform_exposed(compute, ov_pre, ov_post, layers)
-    hidden = np.maximum(ov_pre + ov_post - exposed, 0.0)
-    serial = (zeros if overlap_pre else pre) + (zeros if overlap_post else post)
-    return exposed + serial + f * hidden
+    price = price_classes if per_class else price_rows
+    return price(mesh, np.round(np.asarray(nbytes, dtype=float)), place, lambda b, group: fn(b, group, cluster),
+                 (axes, kind))
 
 
 def _bucket_count(params: np.ndarray, layers: np.ndarray, bucket: int) -> np.ndarray:
@@ -119,6 +112,11 @@ def _bucket_count(params: np.ndarray, layers: np.ndarray, bucket: int) -> np.nda
     return np.maximum(np.ceil(params / bucket), 1.0)
 
 
+def microbatches(c: dict[str, np.ndarray], global_batch: int) -> np.ndarray:
+    """Microbatches per step of each candidate (ParallelConfig.num_microbatches), as floats."""
+    return (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
+
+
 def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
              c: dict[str, np.ndarray], pp: int, v: int, global_batch: int, cluster: ClusterSpec,
              engine: Engine, pricing: Pricing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -126,7 +124,15 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     sums [n, p] of the per-layer fields (time, fwd, bwd_weight, act, params, dense_params,
     expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops and out_bytes;
     `pricing` what the collectives of one quick estimate share (search/pricing.py)."""
-    m = (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
+    shared = assemble_shared(f, layers_per_rank, extra, c, pp, v, cluster, engine, pricing)
+    return by_schedule(shared, None, c["schedule"], microbatches(c, global_batch), f["act"], extra["work"], pp, v)
+
+
+def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
+                    c: dict[str, np.ndarray], pp: int, v: int, cluster: ClusterSpec, engine: Engine,
+                    pricing: Pricing | None = None) -> Shared:
+    """assemble's terms that do not depend on the schedule (search/schedules.py), per row of `c` (whose
+    schedule column is not read: rows equal but for it give the same terms); arguments as assemble's."""
     lay = layouts(c, engine)
     sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
@@ -137,10 +143,16 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     dense, expert = f["dense_params"], f["expert_params"]
     hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp)
 
-    def per_layer(kind: str, elem_bytes: float) -> tuple[np.ndarray, np.ndarray]:  # a rank's layers' collectives
-        d = collective_s(kind, sizes, dense_axes, dense / layers * elem_bytes, cluster) * layers
-        e = collective_s(kind, sizes, expert_axes, expert / layers * elem_bytes, cluster) * layers
-        return d, e
+    # a rank's layers' collectives: per class of the mesh when its candidates share their parameters (a class
+    # of quick_estimate's is a layer-table key), spread to the candidates, else per candidate
+    by_class = (dense[sizes.reps], expert[sizes.reps]) if sizes.uniform(dense, expert) else None
+
+    def per_layer(kind: str, elem_bytes: float) -> tuple[np.ndarray, np.ndarray]:
+        if by_class is None:
+            return tuple(collective_s(kind, sizes, axes, params / layers * elem_bytes, cluster) * layers
+                         for axes, params in ((dense_axes, dense), (expert_axes, expert)))
+        return tuple((collective_s(kind, sizes, axes, params / layers * elem_bytes, cluster, per_class=True)
+                      * layers)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
 
     (gather_d, gather_e), scatter = per_layer("ag", w), lay["reduce_scatter"][:, None] > 0
     (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", wire), per_layer("ar", wire)
@@ -157,7 +169,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
                    memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
-    z3_fwd = np.where(gmb >= 2, _exposed(fwd, gather, 0 * gather, layers, engine.param_gather_overlap, True, frac)
+    z3_fwd = np.where(gmb >= 2, exposed(fwd, gather, None, layers, engine.param_gather_overlap, True, frac)
                       + copy_out, 0.0)
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
@@ -165,7 +177,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     # each hidden by the backward after it: the closed form over that many equal units; with per-layer
     # gathers beside them, over the layers
     units = np.minimum(_bucket_count(dense + expert, layers, engine.dp_bucket_numel), layers)
-    dp_b = _exposed(bwd, pre_b, post_b, np.where(gmb >= 1, layers, units), engine.param_gather_overlap,
+    dp_b = exposed(bwd, pre_b, post_b, np.where(gmb >= 1, layers, units), engine.param_gather_overlap,
                     engine.dp_comm_overlap, frac)
     dp_b = np.where((gmb >= 1) | every,
                     dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
@@ -177,15 +189,15 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac)
     x = f["time"] + hops + dp_f + dp_b
-    pipe = _pipeline(x, f["bwd_weight"], c, m, v, steady)
+    peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
-    step = pipe + _step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
-                             dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
-                             int(extra.get("last_rank", pp - 1))) + _optimizer(f, c, lay, cluster, engine)
+    once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
+                       dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
+                       int(extra.get("last_rank", pp - 1))), _optimizer(f, c, lay, cluster, engine)]
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
-        step = step + np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0)
-    mem, acts = _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes)
-    return step, mem, acts
+        once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
+    states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
+    return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve)
 
 
 def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_s: np.ndarray
@@ -195,8 +207,9 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
     `expert_s`), and the dense group's own (DeepSpeed's stage 3 prices it alone)."""
     per_node = cluster.devices_per_node
     fd = per_mesh(sizes, lambda config: contention_fraction(
-        cluster, comm.group_placement(config, ("dp", "ep", "cp"), per_node)))[:, None]
-    fe = per_mesh(sizes, lambda config: contention_fraction(cluster, expert_dp_placement(config, per_node)))[:, None]
+        cluster, comm.group_placement(config, ("dp", "ep", "cp"), per_node)), "dp-contention")[:, None]
+    fe = per_mesh(sizes, lambda config: contention_fraction(cluster, expert_dp_placement(config, per_node)),
+                  "edp-contention")[:, None]
     total = dense_s + expert_s
     mixed = (fd * dense_s + fe * expert_s) / np.where(total > 0, total, 1.0)
     return np.where(expert_s > 0, mixed, fd + 0.0 * total), fd
@@ -257,8 +270,8 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
         exp_f, exp_b = exp_f + host_f, exp_b + host_b
         return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + frac * hidden, dp_b)
     comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
-    exp_f = _uniform_exposed(f["fwd"] + host_f, comm_f, 0.0 * comm_f, modules) + (before + after) * modules + host_f
-    exp_b = (_uniform_exposed(f["time"] - f["fwd"] + host_b, comm_b, 0.0 * comm_b, modules)
+    exp_f = uniform_exposed(f["fwd"] + host_f, comm_f, None, modules) + (before + after) * modules + host_f
+    exp_b = (uniform_exposed(f["time"] - f["fwd"] + host_b, comm_b, None, modules)
              + (before + after) * modules * (gathers - 1) + host_b)
     pen = frac * np.maximum(comm_f + comm_b - exp_f - exp_b + host_f + host_b, 0.0)
     return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + pen, dp_b)
@@ -276,14 +289,6 @@ def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers):
     return gather * modules, gather * modules * (gathers - 1.0) + exposed_red, hidden
 
 
-def _pipeline(x, weight, c, m, v, steady=0.0):
-    """cost.pipeline.pipeline_time_s over [n, p]: m max_r (X_r + steady_r) + (sum_r Y_r - max_r Y_r) / v'."""
-    zb = (c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE))[:, None]
-    y = np.where(zb, np.maximum(x - (2.0 if v == 1 else 3.0) * weight, 0.0), x)
-    chunks = np.where((c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED)) | zb[:, 0], v, 1)
-    return m * (x + steady).max(axis=1) + (y.sum(axis=1) - y.max(axis=1)) / chunks
-
-
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire,
                w, cluster, copy_in, async_tail, tied, last_rank) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
@@ -293,7 +298,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
-        tail = _exposed(bwd_all, 0.0 * reduce, reduce, units, True, True, frac)  # per filled bucket, as dp_b
+        tail = exposed(bwd_all, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
     else:
         d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
         a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
@@ -305,11 +310,17 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     per_rank = np.where(active, np.where(once, tail, async_tail), 0.0)
     dp_tail = tied_tail(per_rank, offsets, tied, last_rank, engine.tied_reduce_before_dp)
     step_gather = lay["weight_gathers_per_step"][:, None] > 0
-    if engine.param_gather_overlap:
-        pg = _exposed(fwd, gather, 0.0 * gather, layers, True, True, frac) + copy_out
-    else:
+    if not engine.param_gather_overlap:
         pg = collective_s("ag", sizes, ("dp", "ep", "cp"), dense * w, cluster) + copy_out
-    return dp_tail + np.where(step_gather, pg, 0.0).max(axis=1)
+        return dp_tail + np.where(step_gather, pg, 0.0).max(axis=1)
+    # the overlapped gather on the candidates that gather once per step only (each row's figures are its own)
+    rows, slowest = np.nonzero(step_gather[:, 0])[0], np.zeros(len(dp_tail))
+    if len(rows):
+        def pick(a: Any) -> Any:
+            return a[rows] if np.ndim(a) == 2 and len(a) == len(dp_tail) else a
+        slowest[rows] = (exposed(pick(fwd), pick(gather), None, layers, True, True, pick(frac))
+                         + pick(copy_out)).max(axis=1)
+    return dp_tail + slowest
 
 
 def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
@@ -320,10 +331,10 @@ def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
     return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
 
 
-def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspeed, sizes):
-    """cost.memory.rank_memory term by term: model states under the layout, ZeRO-3's working set and
-    ZeRO-2's reduce buffers (cost.memory.zero2_reduce_bytes),
-    activations x in-flight microbatches + the working set, runtime reserve + NCCL buffers."""
+def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
+    """cost.memory.rank_memory term by term but the activations (schedules.by_schedule adds them: x in-flight
+    microbatches + the working set): (model states under the layout + ZeRO-3's working set and ZeRO-2's
+    reduce buffers (cost.memory.zero2_reduce_bytes) [n, p], runtime reserve + NCCL buffers [n])."""
     dense_n = (c["dp"] * c["ep"] * c["cp"])[:, None]
     expert_n = expert_dp_degree(c)[:, None]
     shard = f["dense_params"] / dense_n + f["expert_params"] / expert_n
@@ -334,27 +345,14 @@ def _memory(f, extra, c, lay, m, pp, v, cluster, engine, w, g, o, wire, deepspee
 
     states = w * held("shards_weights") + g * held("shards_gradients") + o * held("shards_optimizer")
     fsdp = extra["max_params"] * (3.0 * w + (wire if wire != w else 0.0))
-    ds = (3.0 * extra["max_numel"][:, None] + 2.0 * engine.zero3_reduce_bucket_numel) * w + 0.0 * fsdp
-    working = np.where(deepspeed[:, None], ds, np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0))
+    working = np.where(lay["shards_weights"][:, None] > 0, fsdp, 0.0)
+    if deepspeed.any():  # DeepSpeed's stage 3 working set instead (where it is none, np.where keeps `working`)
+        ds = (3.0 * extra["max_numel"][:, None] + 2.0 * engine.zero3_reduce_bucket_numel) * w + 0.0 * fsdp
+        working = np.where(deepspeed[:, None], ds, working)
     zero2 = ((lay["shards_gradients"] > 0) & (lay["shards_weights"] == 0) & (lay["reduce_every_microbatch"] > 0))
     working = working + np.where(zero2[:, None], extra["max_params"] * (w + (wire if wire != w else 0.0)), 0.0)
-    acts = f["act"] * inflight(c["schedule"], pp, v, m) + extra["work"]
-    nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster))
-    reserve = cluster.device.runtime_reserve_bytes + nccl
-    return (states + working + acts).max(axis=1) + reserve, acts.max(axis=1)
-
-
-def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
-    """cost.pipeline.in_flight_microbatches per [candidate, rank]: GPipe all m; 1F1B and zero bubble
-    p - r; interleaved Megatron's warm-up (2 (p - r - 1) + (v - 1) p + 1) / v; never more than m."""
-    r = np.arange(p)[None, :]
-    s = schedule[:, None]
-    m2 = m[:, None].astype(float)
-    one_f_one_b = np.broadcast_to(p - r, (len(m), p)).astype(float)
-    interleaved = (2.0 * (p - r - 1) + (v - 1) * p + 1) / v
-    out = np.where(s == SCHEDULES.index(Schedule.GPIPE), m2, one_f_one_b)
-    out = np.where((s == SCHEDULES.index(Schedule.INTERLEAVED)) & (v > 1), interleaved, out)
-    return np.minimum(out, m2)
+    nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster), "nccl-buffers")
+    return states + working, cluster.device.runtime_reserve_bytes + nccl
 
 
 def max_param_numel(graph: Any, tp: np.ndarray) -> np.ndarray:

@@ -20,9 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
+# numpy.ma: np.unique's first plain call imports it (numpy/lib/_arraysetops_impl.py, _unique1d); imported with
+# the search (while a cold preset is captured, graph/named.py), not once in each quick-estimate piece
 import numpy as np
+import numpy.ma
 
 from autoplan.plan.types import ParallelConfig
 
@@ -49,6 +53,7 @@ class Mesh:
     class_mesh: np.ndarray  # each class's index in `meshes`
     meshes: tuple[tuple[int, ...], ...]  # the distinct meshes
     prices: dict[tuple, Any]
+    groups: dict[tuple, Any] = field(default_factory=dict)  # (axes tag, index in meshes) -> its group placement
 
     @staticmethod
     def of(sizes: np.ndarray, pricing: Pricing | None = None) -> Mesh:
@@ -63,13 +68,18 @@ class Mesh:
             _, reps, inverse = np.unique(int_codes(pricing.classes, *sizes.T), return_index=True,
                                          return_inverse=True)
             inverse = inverse.reshape(-1)
-        uniq, class_mesh = unique_rows(*sizes[reps].T)
-        return Mesh(sizes=sizes, reps=reps, inverse=inverse, class_mesh=class_mesh,
-                    meshes=tuple(tuple(int(x) for x in row) for row in uniq.tolist()),
+        _, first, class_mesh = np.unique(int_codes(*sizes[reps].T), return_index=True, return_inverse=True)
+        return Mesh(sizes=sizes, reps=reps, inverse=inverse, class_mesh=class_mesh.reshape(-1),
+                    meshes=tuple(tuple(int(x) for x in row) for row in sizes[reps][first].tolist()),
                     prices=pricing.prices if pricing is not None else {})
 
     def __len__(self) -> int:
         return len(self.sizes)
+
+    def uniform(self, *arrays: np.ndarray) -> bool:
+        """Whether every row of each array ([n] or [n, p]) equals its class representative's: then a value
+        computed per class (price_classes) and spread to the rows is the value computed per row."""
+        return all(bool((a[self.reps][self.inverse] == a).all()) for a in arrays)
 
 
 def int_codes(*columns: np.ndarray) -> np.ndarray:
@@ -89,25 +99,24 @@ def int_codes(*columns: np.ndarray) -> np.ndarray:
     return code
 
 
-def unique_rows(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct rows of the stacked columns and, for each input row, the index of its distinct row
-    (each column ranked on its own, the ranks combined into one integer key: 1-D uniques are fast)."""
-    cols = [np.asarray(c, dtype=float).reshape(-1) for c in columns]
-    key = np.zeros(len(cols[0]), dtype=np.int64)
-    for col in cols:
-        values, rank = np.unique(col, return_inverse=True)
-        key = key * len(values) + rank.reshape(-1)
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    return np.stack([col[first] for col in cols], axis=1), inverse.reshape(-1)
+def per_mesh(mesh: Mesh, fn: Callable[[ParallelConfig], float], tag: Hashable = None) -> np.ndarray:
+    """fn(config of the mesh) per candidate, once per distinct mesh; with a `tag` (naming fn), once per
+    quick estimate: kept in mesh.prices under (tag, mesh row), as every chunk and pipeline shape asks again."""
+    if tag is None:
+        values = np.array([fn(config_of(row)) for row in mesh.meshes])
+        return values[mesh.class_mesh][mesh.inverse]
+    memo, out = mesh.prices, []
+    for row in mesh.meshes:
+        value = memo.get((tag, row))
+        if value is None:
+            value = memo[tag, row] = fn(config_of(row))
+        out.append(value)
+    return np.array(out)[mesh.class_mesh][mesh.inverse]
 
 
-def per_mesh(mesh: Mesh, fn: Callable[[ParallelConfig], float]) -> np.ndarray:
-    """fn(config of the mesh) per candidate, once per distinct mesh."""
-    values = np.array([fn(config_of(row)) for row in mesh.meshes])
-    return values[mesh.class_mesh][mesh.inverse]
-
-
+@lru_cache(maxsize=4096)
 def config_of(mesh: tuple[int, ...]) -> ParallelConfig:
+    """The (validated, frozen) ParallelConfig of a mesh row, made once per distinct row."""
     pp, dp, ep, cp, tp, etp, eep = mesh
     return ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp, etp=etp, eep=eep)
 
@@ -133,30 +142,56 @@ def price_rows(mesh: Mesh, values: np.ndarray, place: Callable[[tuple[int, ...]]
     return out.reshape(values.shape)
 
 
+def price_classes(mesh: Mesh, values: np.ndarray, place: Callable[[tuple[int, ...]], Hashable],
+                  fn: Callable[[float, Any], float], tags: tuple[Hashable, Hashable], skip_nonpositive: bool = True
+                  ) -> np.ndarray:
+    """price_rows for values given per class of `mesh` ([classes] or [classes, p]; every row of a class asks
+    its class's question, see Mesh.uniform), per class: price_rows' representatives' prices, without
+    spreading them to the rows and checking each row against its representative."""
+    values = np.asarray(values, dtype=float)
+    flat = values.reshape(len(values), -1)
+    if skip_nonpositive and (flat <= 0).all():
+        return np.zeros(values.shape)
+    return _price_distinct(mesh, mesh.class_mesh, flat, place, fn, tags, skip_nonpositive).reshape(values.shape)
+
+
 def _price_distinct(mesh: Mesh, mesh_of: np.ndarray, values: np.ndarray, place: Callable[[tuple[int, ...]], Hashable],
                     fn: Callable[[float, Any], float], tags: tuple[Hashable, Hashable],
                     skip_nonpositive: bool) -> np.ndarray:
     """fn(value, group of its row's mesh) for each element of values [m, p] (row i's mesh is
     mesh.meshes[mesh_of[i]]), each distinct (mesh, value) looked up once, each price computed once per
     quick estimate (mesh.prices)."""
-    per = values.shape[1]
-    distinct, rank = np.unique(values.reshape(-1), return_inverse=True)
-    pairs, inverse = np.unique(np.repeat(mesh_of.astype(np.int64), per) * len(distinct) + rank.reshape(-1),
-                               return_inverse=True)
-    memo, meshes, groups = mesh.prices, mesh.meshes, {}
-    out = np.zeros(len(pairs))
-    for i, (m, b) in enumerate(zip((pairs // len(distinct)).tolist(), distinct[pairs % len(distinct)].tolist())):
+    ms, bs, inverse = _distinct_pairs(mesh_of, values, len(mesh.meshes))
+    memo, meshes, groups = mesh.prices, mesh.meshes, mesh.groups
+    out = np.zeros(len(ms))
+    for i, (m, b) in enumerate(zip(ms, bs)):
         if skip_nonpositive and b <= 0:
             continue
-        group = groups.get(m)
+        group = groups.get((tags[0], m))
         if group is None:
-            group = groups[m] = _memo(memo, ("group", tags[0], meshes[m]), lambda m=m: place(meshes[m]))
+            group = groups[tags[0], m] = _memo(memo, ("group", tags[0], meshes[m]), lambda m=m: place(meshes[m]))
         key = (tags[1], group, b)
         value = memo.get(key)
         if value is None:
             value = memo[key] = fn(b, group)
         out[i] = value
     return out[inverse.reshape(-1)].reshape(values.shape)
+
+
+def _distinct_pairs(mesh_of: np.ndarray, values: np.ndarray, meshes: int) -> tuple[list[int], list[float], np.ndarray]:
+    """The distinct (mesh index, value) pairs of values [m, p] (row i's mesh mesh_of[i]), ascending, and
+    each element's pair: one unique of mesh * radix + value when the values are whole numbers of bytes
+    (collectives price rounded sizes), else one of the values and one of the pairs of ranks."""
+    per, flat = values.shape[1], values.reshape(-1)
+    rows = np.repeat(mesh_of.astype(np.int64), per)
+    top = float(flat.max(initial=0.0))
+    if flat.size and flat.min() >= 0 and top < 2.0**52 / max(meshes, 1) and (flat == np.floor(flat)).all():
+        radix = int(top) + 1
+        pairs, inverse = np.unique(rows * radix + flat.astype(np.int64), return_inverse=True)
+        return (pairs // radix).tolist(), (pairs % radix).astype(float).tolist(), inverse.reshape(-1)
+    distinct, rank = np.unique(flat, return_inverse=True)
+    pairs, inverse = np.unique(rows * len(distinct) + rank.reshape(-1), return_inverse=True)
+    return (pairs // len(distinct)).tolist(), distinct[pairs % len(distinct)].tolist(), inverse.reshape(-1)
 
 
 def _memo(memo: dict[tuple, Any], key: tuple, make: Callable[[], Any]) -> Any:

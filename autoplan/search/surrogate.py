@@ -8,6 +8,7 @@ Final numbers never come from here: search.py re-estimates the shortlist with `e
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -19,14 +20,17 @@ from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
-from autoplan.search.assemble import assemble, max_param_numel
-from autoplan.search.assemble import inflight as _inflight
+from autoplan.search.assemble import assemble_shared, max_param_numel, microbatches
 from autoplan.search.layercache import layer_costs
 from autoplan.search.pricing import Pricing, int_codes
+from autoplan.search.schedules import by_schedule
+from autoplan.search.schedules import inflight as _inflight
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
 FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work", "host")
+# the fields summed per pipeline rank (search/assemble.py reads these sums; of params and work the maxima)
+SUMMED = ("time", "fwd", "bwd_weight", "act", "dense_params", "expert_params", "host")
 _KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
 # what a key column a layer does not read is set to (recompute 0: Recompute.NONE; etp, eep 0: as tp, ep)
 _CANONICAL = {"ep": 1, "recompute": 0, "etp": 0, "eep": 0}
@@ -109,9 +113,23 @@ def _key_cols(layer: Any) -> tuple[str, ...]:
 
 def _estimate(layer: Any, cluster: ClusterSpec, key: list[int], dp: int, graph: LayerGraph, cost: Any) -> Any:
     tp, cp, ep, sp, mb, rec, etp, eep = key
-    config = ParallelConfig(tp=tp, cp=cp, ep=ep, sp=bool(sp), microbatch=mb, recompute=RECOMPUTES[rec], dp=dp,
-                            etp=etp, eep=eep)
+    config = key_config(tp=tp, cp=cp, ep=ep, sp=bool(sp) and tp > 1, microbatch=mb, recompute=RECOMPUTES[rec],
+                        dp=dp, etp=etp, eep=eep)
     return cost.estimate_layer(layer, cluster, config, RECOMPUTES[rec], seq_len=graph.seq_len)
+
+
+_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ParallelConfig)}
+
+
+def key_config(**fields: Any) -> ParallelConfig:
+    """The ParallelConfig of a layer-table key, its fields set without __post_init__'s checks (a tenth of a
+    cold layer table's time): a key's values are a valid candidate's (enumerate_space), given as
+    __post_init__ leaves them (Python ints, enums, sp only over tp > 1; test_search_layer_table checks that
+    the result equals the validated one). Anything a user gives still goes through ParallelConfig(...)."""
+    config = object.__new__(ParallelConfig)
+    for name, value in {**_CONFIG_DEFAULTS, **fields}.items():
+        object.__setattr__(config, name, value)
+    return config
 
 
 def _fields(c: Any) -> tuple[float, ...]:
@@ -138,14 +156,16 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
     """Step time and peak memory of every candidate with the balanced split and uniform recompute, for the
     engine `cost` is bound to (autoplan.cost.with_engine; the plain module means autoplan's executor).
     Candidates are assembled per pipeline shape, in chunks of at most CHUNK rows of whole layer-table keys
-    (arrays that stay in cache; each candidate's estimate depends on its own row only)."""
+    (arrays that stay in cache; each candidate's estimate depends on its own row only), those equal but for
+    the schedule once (search/schedules.py)."""
     engine = getattr(cost, "engine", None) or Engine()
     key_of, table = layer_table(graph, cluster, space, cost)
     c = space.columns
     step, peak, act_out = np.zeros(len(space)), np.zeros(len(space)), np.zeros(len(space))
-    cum = np.empty((table.shape[0], table.shape[1] + 1, table.shape[2]))  # [keys, layers + 1, F], in place:
+    cum = np.empty((table.shape[0], table.shape[1] + 1, len(SUMMED)))  # [keys, layers + 1, summed F], in place:
     cum[:, 0] = 0.0  # deepseek-v3's table is 224 MB, and a concatenate would copy it once more
-    np.cumsum(table, axis=1, out=cum[:, 1:])
+    for j, name in enumerate(SUMMED):
+        np.cumsum(table[:, :, FIELDS.index(name)], axis=1, out=cum[:, 1:, j])
     v_shape = ((c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE)) & (c["virtual_stages"] == 2)).astype(int)
     max_numel = max_param_numel(graph, c["tp"])
     prices: dict = {}  # every collective priced once per quick estimate (search/pricing.py)
@@ -159,19 +179,33 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                                                         or engine.zero3_serial_grad_checks) else None)
         for part in _chunks(inverse.reshape(-1)[order], max(CHUNK // pp, 64)):
             rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
-            extra = {"hops": np.broadcast_to(shape["hops"], (len(rows), pp)), "out_bytes": shape["out_bytes"][key],
-                     "act_sends": shape["act_sends"], "act_recvs": shape["act_recvs"],
-                     "tied": graph.tied_embedding_params, "last_rank": shape["last_rank"],
-                     "max_numel": max_numel[rows], "max_params": shape["max_params"][key],
-                     "work": shape["work"][key]}
-            if per_step is not None:
-                extra.update({k: a[order[part]] for k, a in per_step.items()})
-            f = {name: shape["per_rank"][:, :, i][key] for i, name in enumerate(FIELDS)}
             cols = {k: col[rows] for k, col in c.items()}
+            first, of = _unique_but_schedule(cols)  # the rows to assemble: one of each equal but for the schedule
+            extra = {"hops": np.broadcast_to(shape["hops"], (len(first), pp)),
+                     "out_bytes": shape["out_bytes"][key[first]], "act_sends": shape["act_sends"],
+                     "act_recvs": shape["act_recvs"], "tied": graph.tied_embedding_params,
+                     "last_rank": shape["last_rank"], "max_numel": max_numel[rows[first]],
+                     "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]]}
+            if per_step is not None:
+                extra.update({k: a[order[part]][first] for k, a in per_step.items()})
+            f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
             # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
-            step[rows], peak[rows], act_out[rows] = assemble(f, shape["layers_per_rank"], extra, cols, pp, v,
-                                                             global_batch, cluster, engine, Pricing(prices, key))
+            shared = assemble_shared(f, shape["layers_per_rank"], extra, {k: col[first] for k, col in cols.items()},
+                                     pp, v, cluster, engine, Pricing(prices, key[first]))
+            act, work = shape["per_rank"][:, :, SUMMED.index("act")][key], shape["work"][key]
+            step[rows], peak[rows], act_out[rows] = by_schedule(
+                shared, of, cols["schedule"], microbatches(cols, global_batch), act, work, pp, v)
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
+
+
+def _unique_but_schedule(cols: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray | None]:
+    """(a row of each distinct combination of the columns other than the schedule, each row's index among
+    those; None when every row is its own): the rows search/schedules.py's Shared is assembled for."""
+    code = int_codes(*(col for name, col in cols.items() if name != "schedule"))
+    _, first, of = np.unique(code, return_index=True, return_inverse=True)
+    if len(first) == len(code):
+        return np.arange(len(code)), None
+    return first, of.reshape(-1)
 
 
 CHUNK = 65536  # candidates x pipeline ranks assembled at once: arrays of about 512 kB, which stay in cache
@@ -194,8 +228,9 @@ def _chunks(sorted_keys: np.ndarray, rows: int) -> list[slice]:
 def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, cum: np.ndarray, keys: np.ndarray,
                   cost: Any) -> dict[str, np.ndarray]:
     """For one pipeline shape (the config's pp, virtual stages and schedule: the schedule decides the placement,
-    plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the fields [keys, p, F], the
-    per-rank maxima of params and work [keys, p], layers per rank, p2p hops and what a pipeline cut sends."""
+    plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the SUMMED fields [keys, p, F]
+    (from `cum`, their cumulative sums over the layers), the per-rank maxima of params and work [keys, p],
+    layers per rank, p2p hops and what a pipeline cut sends."""
     pp, v = config.pp, config.virtual_stages
     names = {layer.name: i for i, layer in enumerate(graph.layers)}
     stages = cost.balanced_stages(graph, config)
@@ -209,11 +244,31 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
     out = {"per_rank": _per_rank(per_stage, placement, ranks), "layers_per_rank": np.diff(bounds) @ placement,
            "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
            "last_rank": ranks[-1], **_cut_sides(ranks, pp)}
-    for name in ("params", "work"):  # per-rank maxima over the rank's stages
-        stage_max = np.maximum.reduceat(table[keys, :, FIELDS.index(name)], bounds[:-1], axis=1)
-        out["max_params" if name == "params" else "work"] = np.stack(
-            [stage_max[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1) for k in range(pp)], axis=1)
+    out["max_params"], out["work"] = _rank_maxima(graph, table, keys, bounds, ranks, pp)
     return out
+
+
+def _rank_maxima(graph: LayerGraph, table: np.ndarray, keys: np.ndarray, bounds: np.ndarray,
+                 ranks: tuple[int, ...], pp: int) -> tuple[np.ndarray, np.ndarray]:
+    """The per-rank maxima of params and work over the rank's layers [keys, p]. Every layer of a kind has
+    its kind's values (layer_table), so the maximum over a rank's layers is the maximum over the kinds it
+    holds: a few columns of the table, not all of its layers (max is exact, so the figures are the same);
+    a shape with an empty stage takes numpy's reduceat over the layers, as before."""
+    fields = [FIELDS.index("params"), FIELDS.index("work")]
+    if (np.diff(bounds) == 0).any():
+        stage_max = [np.maximum.reduceat(table[keys, :, f], bounds[:-1], axis=1) for f in fields]
+        return tuple(np.stack([m[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1) for k in range(pp)],
+                              axis=1) for m in stage_max)
+    names: dict[str, int] = {}
+    kind_of = np.array([names.setdefault(layer.kind, len(names)) for layer in graph.layers])
+    _, rep = np.unique(kind_of, return_index=True)  # a layer of each kind
+    held = np.zeros((pp, len(rep)), dtype=bool)  # [rank, kind]: whether the rank holds a layer of the kind
+    for s, r in enumerate(ranks):
+        held[r, kind_of[bounds[s]:bounds[s + 1]]] = True
+    sets, set_of = np.unique(held, axis=0, return_inverse=True)  # the few distinct sets of kinds a rank holds
+    values = table[keys[:, None], rep[None, :]]  # [keys, kinds, F]
+    return tuple(np.stack([values[:, held_kinds, f].max(axis=1) for held_kinds in sets], axis=1)[:, set_of.reshape(-1)]
+                 for f in fields)
 
 
 def _pipeline_shapes(pp: np.ndarray, v: np.ndarray, v_shape: np.ndarray) -> list[np.ndarray]:

@@ -82,3 +82,28 @@ def test_pieces_writing_one_entry_at_once_keep_every_row(tmp_path, monkeypatch) 
     layercache.layer_costs(layer, cluster, graph.seq_len, fields, every,
                            lambda rows: missing.append(len(rows)) or np.zeros((len(rows), 2)))
     assert missing == []
+
+
+def test_a_key_config_is_the_validated_config() -> None:
+    """surrogate.key_config (no checks) gives the ParallelConfig the constructor gives for every layer-table
+    key of a space: equal, same hash, same fields and types (sp dropped at tp 1, as __post_init__ does)."""
+    import dataclasses
+
+    from autoplan.plan.types import ParallelConfig
+    from autoplan.search.space import RECOMPUTES
+    from autoplan.search.surrogate import key_config
+
+    graph = gpt_graph(h=256, a=4, layers=3, seq=256, vocab=4096, experts=8, top_k=2)
+    space = enumerate_space(graph, a100_cluster(2, per_node=8), SearchOptions(global_batch=32))
+    c = space.columns
+    for i in np.random.default_rng(3).choice(len(space), 200, replace=False).tolist():
+        tp, cp, ep, sp, mb, rec, etp, eep, dp = (int(c[k][i]) for k in ("tp", "cp", "ep", "sp", "microbatch",
+                                                                        "recompute", "etp", "eep", "dp"))
+        fields = {"tp": tp, "cp": cp, "ep": ep, "microbatch": mb, "recompute": RECOMPUTES[rec], "dp": dp, "etp": etp,
+                  "eep": eep}
+        want = ParallelConfig(sp=bool(sp), **fields)
+        got = key_config(sp=bool(sp) and tp > 1, **fields)
+        assert got == want and hash(got) == hash(want)
+        assert [(type(getattr(got, f.name)), getattr(got, f.name)) for f in dataclasses.fields(ParallelConfig)] == \
+               [(type(getattr(want, f.name)), getattr(want, f.name)) for f in dataclasses.fields(ParallelConfig)]
+    assert key_config(tp=1, sp=False) == ParallelConfig(tp=1, sp=True)

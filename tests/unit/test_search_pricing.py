@@ -106,3 +106,24 @@ def test_chunks_cover_every_row_and_keep_each_key_whole() -> None:
     assert np.array_equal(np.concatenate([keys[p] for p in parts]), keys)
     assert all(keys[a.stop - 1] != keys[b.start] for a, b in itertools.pairwise(parts))
     assert max(p.stop - p.start for p in parts) < 64 + np.bincount(keys).max()
+
+
+@pytest.mark.parametrize("axes", [("dp", "ep", "cp"), assemble.EXPERT_DP])
+def test_collectives_priced_per_class_spread_equal_each_candidate_priced_alone(axes: tuple[str, ...]) -> None:
+    """collective_s(per_class=True) on one row of values per class of the mesh, spread to the candidates, is
+    cost.comm on each candidate's own row, when the rows of a class share their values (Mesh.uniform, which
+    says no as soon as one row differs)."""
+    space = _space()
+    rng = np.random.default_rng(8)
+    rows = rng.choice(len(space), 300, replace=False)
+    c = {k: v[rows] for k, v in space.columns.items()}
+    classes = int_codes(c["tp"], c["cp"], c["ep"], rng.integers(0, 3, len(rows)))  # a class: one mesh or split
+    base = rng.choice([0.0, 1e3, 5e6, 2.5e8, 1e10], size=(classes.max() + 1, 4))
+    mesh = assemble.mesh_sizes(c, Pricing({}, classes))
+    nbytes = base[classes[mesh.reps]][mesh.inverse]  # every row its class's values
+    assert mesh.uniform(nbytes)
+    got = assemble.collective_s("rs", mesh, axes, nbytes[mesh.reps], CLUSTER, per_class=True)[mesh.inverse]
+    assert got.tobytes() == _direct("rs", space, rows, axes, nbytes).tobytes()
+    member = np.nonzero(mesh.reps[mesh.inverse] != np.arange(len(rows)))[0][0]  # a row not its class's own
+    nbytes[member, 1] += 1.0
+    assert not mesh.uniform(nbytes)

@@ -127,3 +127,24 @@ def test_quick_deepspeed_step_terms_are_the_exact_ones_per_block(checks: bool, r
         got = _deepspeed_step(terms, np.array([[float(count)]]), mesh_sizes(c), ("dp", "ep", "cp"), 2.0, cluster,
                               engine)
         assert want > 0 and got[0] == pytest.approx(want, rel=1e-9)
+
+
+def test_rank_maxima_are_the_maxima_over_each_ranks_layers() -> None:
+    """surrogate._rank_maxima takes the maximum over the kinds a rank holds: the same bits as the maximum over
+    every layer of its stages (a layer table's layers of one kind share their values), also for a shape
+    with an empty stage and a rank holding no embedding or head."""
+    from autoplan.search.surrogate import FIELDS, _rank_maxima
+
+    rng = np.random.default_rng(2)
+    kinds = sorted({layer.kind for layer in GRAPH.layers})
+    per_kind = rng.random((16, len(kinds), len(FIELDS))) * 10.0 ** rng.integers(0, 9, (16, len(kinds), len(FIELDS)))
+    table = per_kind[:, [kinds.index(layer.kind) for layer in GRAPH.layers]]
+    keys, n = np.array([3, 0, 7, 7, 15]), len(GRAPH.layers)
+    for bounds, ranks, pp in [([0, 3, 6, n], (0, 1, 2), 3), ([0, 2, 4, 6, n], (0, 1, 1, 0), 2),
+                              ([0, 1, 1, 5, n], (0, 1, 1, 0), 2), ([0, n], (0,), 1)]:
+        want = [np.stack([table[keys][:, [i for s, r in enumerate(ranks) if r == k
+                                           for i in range(bounds[s], bounds[s + 1])] or [bounds[-2]], f].max(axis=1)
+                          for k in range(pp)], axis=1) for f in (FIELDS.index("params"), FIELDS.index("work"))]
+        got = _rank_maxima(GRAPH, table, keys, np.array(bounds), ranks, pp)
+        for a, b in zip(got, want):
+            assert a.tobytes() == b.tobytes(), (bounds, ranks)
