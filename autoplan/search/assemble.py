@@ -128,6 +128,9 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     `pricing` what the collectives of one quick estimate share (search/pricing.py)."""
     m = (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
     lay = layouts(c, engine)
+    if engine.grad_freed_after_reduce and "fresh" in f:  # cost.estimate.fresh_grad_share / with_fresh_grads
+        cut = f["fresh"] * np.where(lay["reduce_every_microbatch"][:, None] > 0, 1.0, 1.0 / m[:, None])
+        f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
     sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
     w, g, o = state_bytes_per_param(cluster.dtype, engine)
