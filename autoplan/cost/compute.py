@@ -30,7 +30,11 @@ __all__ = ["BlockShape", "ComputeTimes", "block_shape", "gemm_pass_s", "layer_co
 
 # Bytes of the gradient accumulator per weight element, read once and written once by each weight-gradient
 # pass: 4 (Megatron-LM's fp32 main_grad under --gradient-accumulation-fusion; PyTorch's 16-bit .grad plus
-# the wgrad output it adds in, 2 + 2). See layer_compute.
+# the wgrad output it adds in, 2 + 2). See layer_compute. When the .grad is None instead (after
+# optimizer.zero_grad(set_to_none=True), or FSDP2's post_backward `fsdp_param.unsharded_param.grad = None`
+# once the gradient is copied into the reduce-scatter input), autograd adopts the GEMM's output as the
+# gradient without a copy (torch/csrc/autograd/functions/accumulate_grad.h, accumulateGrad: "we can steal
+# new_grad without a deep copy" when it obeys the parameter's layout): the output is written once.
 GRAD_ACCUMULATE_BYTES = 4
 
 # Share of the full s x s attention square a fused causal kernel computes: FlashAttention skips the
@@ -168,6 +172,9 @@ class ComputeTimes:
     # (cost/userbuffers.margin_extra_s; zero unless that overlap runs)
     margin_fwd_s: float = 0.0
     margin_bwd_s: float = 0.0
+    # the weight-gradient seconds saved when each GEMM's output becomes the gradient as is (written once
+    # in the training dtype) instead of being accumulated into it (Engine.grad_freed_after_reduce)
+    fresh_grad_saving_s: float = 0.0
 
 
 def expert_divisor(config: ParallelConfig, engine: Engine | None = None) -> int:
@@ -303,7 +310,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     roofline (kernels.gemm_pass_s) at their own shapes (_block_gemm_groups), with T tokens on this
     device: forward Y = X W, input gradient dX = dY W^T and weight gradient dW = X^T dY accumulated into
     the gradient buffer (read + write, 2 x GRAD_ACCUMULATE_BYTES per weight element: PyTorch
-    AccumulateGrad / Megatron's --gradient-accumulation-fusion into main_grad). Non-block layers run
+    AccumulateGrad / Megatron's --gradient-accumulation-fusion into main_grad); under
+    engine.grad_freed_after_reduce also what those passes save when the gradient is None and autograd adopts
+    the GEMM's output (written once, dtype_bytes per element: fresh_grad_saving_s). Non-block layers run
     their matmul total as one matmul. Attention: _attention_s. Elementwise: block_elementwise_bytes at
     streaming bandwidth, backward 1.5 x forward (it reads the output gradient and the saved input and
     writes one gradient: 3 accesses for the forward's 2), plus the engine's own extra passes
@@ -335,6 +344,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     expert_mm = layer.fwd_expert_flops * scale / expert_div
     total_mm = (layer.fwd_matmul_flops - layer.fwd_expert_flops) * scale / t + expert_mm
     shape = block_shape(layer, graph_tokens)
+    fresh_s = 0.0
     if shape is None:
         mm_s = matmul_time_s(device, peak_flops, total_mm, total_mm)
         dx_s = dw_s = mm_s
@@ -350,6 +360,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
         dws = [gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups]
         dw_s = sum(dws)
+        if engine.grad_freed_after_reduce:  # the gradient is None: its GEMM's output is adopted, written once
+            fresh_s = dw_s - sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes) for m, k, n, c in groups)
         qkv_dw = dws[0] + (dws[-1] if engine.separate_qkv_projections else 0.0)
         wgrad_column = (qkv_dw, dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
         margin = (margin_extra_s(device, peak_flops, groups, shape.n_mlp, dtype_bytes, engine.tp_overlap_margin_sms,
@@ -393,7 +405,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
                         gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op + hook,
                         host_bwd_s=ops_b * op + 2.0 * hook, host_rec_s=ops_r * op + (hook if ops_r else 0.0),
                         wgrad_column_s=wgrad_column, sync_fwd_s=sync, margin_fwd_s=margin[0],
-                        margin_bwd_s=margin[1])
+                        margin_bwd_s=margin[1], fresh_grad_saving_s=fresh_s)
 
 
 def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float, split: int) -> tuple[float, float]:

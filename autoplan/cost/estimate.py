@@ -33,7 +33,7 @@ from autoplan.cost.timeline import shared_cores_pipeline_time_s
 from autoplan.cost.types import GroupPlacement, LayerCost
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
-from autoplan.plan.layout import stage_ranks, zero_layout
+from autoplan.plan.layout import ZeroLayout, stage_ranks, zero_layout
 from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Recompute
 
 # The optimizer step per local parameter, memory-bound passes (PyTorch / apex multi-tensor kernels):
@@ -228,7 +228,9 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     envs: dict[int, _Env] = {}
     for view in views:
         if id(view) not in envs:
-            envs[id(view)] = _Env(view=view, costs=_layer_costs(graph, view, config, layer_recompute, engine),
+            costs = with_fresh_grads(_layer_costs(graph, view, config, layer_recompute, engine),
+                                     fresh_grad_share(layout, m, engine))
+            envs[id(view)] = _Env(view=view, costs=costs,
                                   groups=dp_groups(config, view),
                                   pp_cross=comm.group_placement(config, ("pp",), view.devices_per_node).crosses_nodes)
     env_of = [envs[id(view)] for view in views]
@@ -321,6 +323,29 @@ class _Env:
     costs: dict[str, LayerCost]
     groups: DpGroups
     pp_cross: bool
+
+
+def fresh_grad_share(layout: ZeroLayout, m: int, engine: Engine) -> float:
+    """Share of a step's microbatches whose weight gradients land in a freed .grad under
+    engine.grad_freed_after_reduce: every one when the layout reduces every microbatch (FSDP2's post_backward
+    frees each unsharded gradient after its reduce-scatter), else the step's first of m (the gradients
+    accumulate after optimizer.zero_grad(set_to_none=True)); 0 without the engine field."""
+    if not engine.grad_freed_after_reduce:
+        return 0.0
+    return 1.0 if layout.reduce_every_microbatch else 1.0 / m
+
+
+def with_fresh_grads(costs: dict[str, LayerCost], share: float) -> dict[str, LayerCost]:
+    """The layer costs with `share` of each layer's fresh_grad_saving_s taken off its backward and its
+    weight-gradient time (a microbatch's mean)."""
+    if not share:
+        return costs
+    out: dict[str, LayerCost] = {}
+    for name, c in costs.items():
+        cut = share * c.fresh_grad_saving_s
+        out[name] = c if not cut else dataclasses.replace(c, bwd_s=c.bwd_s - cut, bwd_weight_s=c.bwd_weight_s - cut,
+                                                          device_s=c.device_s - cut)
+    return out
 
 
 def _layer_costs(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig,

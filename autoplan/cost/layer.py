@@ -4,6 +4,7 @@ communication, activation memory, parameters held), under a ParallelConfig and a
 
 from __future__ import annotations
 
+import dataclasses
 from functools import lru_cache
 
 from autoplan.cluster.types import ClusterSpec
@@ -83,6 +84,7 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
         act_mem_bytes=int(held), param_count=param_count, grad_param_count=dense, expert_param_count=expert,
         output_bytes=int(hidden_bytes / config.tp), work_mem_bytes=int(work),
         fwd_comm_s=tp_fwd + cp_fwd + ep_fwd, host_s=_host_total(times, recompute, layer),
+        fresh_grad_saving_s=_fresh_saving_s(times, recompute, layer, bwd_s, serial=bool(cluster.device.cpu_cores)),
         device_s=times.fwd_s + times.bwd_s + (times.recompute_s if layer.role is LayerRole.BLOCK else 0.0),
     )
 
@@ -109,6 +111,16 @@ def _with_host(times: ComputeTimes, recompute: Recompute, layer: Layer,
         rec = combine(rec, times.host_rec_s) + times.sync_fwd_s
     fwd = combine(times.fwd_s, times.host_fwd_s) + times.sync_fwd_s
     return fwd, combine(times.bwd_s, times.host_bwd_s), rec
+
+
+def _fresh_saving_s(times: ComputeTimes, recompute: Recompute, layer: Layer, bwd_s: float, *, serial: bool) -> float:
+    """What the backward phase (bwd_s, after _with_host) loses when the weight-gradient GEMMs write their
+    output once instead of accumulating it (times.fresh_grad_saving_s of device time): none while the host
+    bounds the phase."""
+    if not times.fresh_grad_saving_s:
+        return 0.0
+    fresh = dataclasses.replace(times, bwd_s=times.bwd_s - times.fresh_grad_saving_s)
+    return bwd_s - _with_host(fresh, recompute, layer, serial=serial)[1]
 
 
 def _host_total(times: ComputeTimes, recompute: Recompute, layer: Layer) -> float:

@@ -33,6 +33,10 @@ class LayerCost:
     # and the kernels' device time; fwd_s / bwd_s / recompute_s are already max(device, host) per phase
     host_s: float = 0.0
     device_s: float = 0.0
+    # extension (default 0): what bwd_s (and bwd_weight_s) lose when the weight gradients land in a freed
+    # .grad (Engine.grad_freed_after_reduce): the weight-gradient GEMMs write their output once instead of
+    # accumulating into the gradient; estimate_config applies it to the microbatches it holds for
+    fresh_grad_saving_s: float = 0.0
 
     @property
     def time_s(self) -> float:

@@ -124,16 +124,22 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
     sums [n, p] of the per-layer fields (time, fwd, bwd_weight, act, params, dense_params,
     expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops and out_bytes;
     `pricing` what the collectives of one quick estimate share (search/pricing.py)."""
-    shared = assemble_shared(f, layers_per_rank, extra, c, pp, v, cluster, engine, pricing)
-    return by_schedule(shared, None, c["schedule"], microbatches(c, global_batch), f["act"], extra["work"], pp, v)
+    m = microbatches(c, global_batch)
+    shared = assemble_shared(f, layers_per_rank, extra, c, pp, v, cluster, engine, pricing, m=m)
+    return by_schedule(shared, None, c["schedule"], m, f["act"], extra["work"], pp, v)
 
 
 def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
                     c: dict[str, np.ndarray], pp: int, v: int, cluster: ClusterSpec, engine: Engine,
-                    pricing: Pricing | None = None) -> Shared:
+                    pricing: Pricing | None = None, *, m: np.ndarray | None = None) -> Shared:
     """assemble's terms that do not depend on the schedule (search/schedules.py), per row of `c` (whose
-    schedule column is not read: rows equal but for it give the same terms); arguments as assemble's."""
+    schedule column is not read: rows equal but for it give the same terms); arguments as assemble's, `m`
+    each row's microbatches per step (needed with Engine.grad_freed_after_reduce)."""
     lay = layouts(c, engine)
+    if engine.grad_freed_after_reduce and "fresh" in f:  # cost.estimate.fresh_grad_share / with_fresh_grads
+        assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
+        cut = f["fresh"] * np.where(lay["reduce_every_microbatch"][:, None] > 0, 1.0, 1.0 / m[:, None])
+        f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
     sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
     w, g, o = state_bytes_per_param(cluster.dtype, engine)

@@ -28,9 +28,10 @@ from autoplan.search.schedules import inflight as _inflight
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
-FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work", "host")
+FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work", "host",
+          "fresh")
 # the fields summed per pipeline rank (search/assemble.py reads these sums; of params and work the maxima)
-SUMMED = ("time", "fwd", "bwd_weight", "act", "dense_params", "expert_params", "host")
+SUMMED = ("time", "fwd", "bwd_weight", "act", "dense_params", "expert_params", "host", "fresh")
 _KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
 # what a key column a layer does not read is set to (recompute 0: Recompute.NONE; etp, eep 0: as tp, ep)
 _CANONICAL = {"ep": 1, "recompute": 0, "etp": 0, "eep": 0}
@@ -135,7 +136,7 @@ def key_config(**fields: Any) -> ParallelConfig:
 def _fields(c: Any) -> tuple[float, ...]:
     return (c.time_s, c.fwd_s + getattr(c, "fwd_comm_s", 0.0), c.bwd_weight_s, c.act_mem_bytes, c.param_count,
             c.grad_param_count, c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0),
-            getattr(c, "host_s", 0.0))
+            getattr(c, "host_s", 0.0), getattr(c, "fresh_grad_saving_s", 0.0))
 
 
 def _placement(sizes: tuple[int, ...], wanted: tuple[str, ...], devices_per_node: int, cost: Any) -> Any:
@@ -190,8 +191,9 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
             # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
-            shared = assemble_shared(f, shape["layers_per_rank"], extra, {k: col[first] for k, col in cols.items()},
-                                     pp, v, cluster, engine, Pricing(prices, key[first]))
+            firsts = {k: col[first] for k, col in cols.items()}
+            shared = assemble_shared(f, shape["layers_per_rank"], extra, firsts, pp, v, cluster, engine,
+                                     Pricing(prices, key[first]), m=microbatches(firsts, global_batch))
             act, work = shape["per_rank"][:, :, SUMMED.index("act")][key], shape["work"][key]
             step[rows], peak[rows], act_out[rows] = by_schedule(
                 shared, of, cols["schedule"], microbatches(cols, global_batch), act, work, pp, v)
