@@ -35,12 +35,15 @@ def describe_failure(exc: BaseException, model: nn.Module) -> str:
         or "data dependent" in reason
         or "GuardOnDataDependent" in (type(exc).__name__ + reason)
     )
-    advice = (
-        "replace Python control flow on tensor values with torch.where / torch.cond, or branch on shapes only"
-        if data_dependent
-        else "make the forward traceable by torch.export (strict=False) or pass example_inputs= that "
-        "match its signature"
-    )
+    if data_dependent:
+        advice = "replace Python control flow on tensor values with torch.where / torch.cond, or branch on shapes only"
+    elif "more than 1 value per channel" in reason:  # torch.nn.functional._verify_batch_size: BatchNorm in training
+        advice = ("the traced input is too small for this model: after its downsampling a BatchNorm sees one value "
+                  "per channel; pass a larger seq_len (--seq-len: a vision model's first-layer patches, e.g. 12544 "
+                  "for ResNet-50 at 224 px, 196 for ViT-B/16) or example_inputs= of the real size")
+    else:
+        advice = ("make the forward traceable by torch.export (strict=False) or pass example_inputs= that "
+                  "match its signature")
     return (
         f"cannot capture module '{module[0]}' ({module[1]}): op {where or '<unknown>'} failed: "
         f"{reason}; {advice}"

@@ -177,6 +177,18 @@ def test_untraceable_model_gives_one_line_naming_module_and_op() -> None:
     assert isinstance(info.value, ValueError)
 
 
+def test_an_input_too_small_for_a_batchnorm_says_to_raise_seq_len() -> None:
+    # a stride-2 conv then BatchNorm: seq_len 1 traces one 2 x 2 image, one value per channel after the conv
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, stride=2, padding=1), nn.BatchNorm2d(4), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(4, 2))
+    with pytest.raises(CaptureError) as info:
+        capture(model, seq_len=1)
+    message = str(info.value)
+    assert "\n" not in message and "module '1' (BatchNorm2d)" in message
+    assert "pass a larger seq_len (--seq-len" in message
+    assert capture(model, seq_len=4).layers  # 4 patches: 2 x 2 values per channel, traced
+
+
 @pytest.mark.parametrize("field", ["seq_len", "microbatch"])
 @pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8", None])
 def test_non_positive_or_non_integer_sizes_are_rejected(field: str, bad: object) -> None:
