@@ -219,7 +219,7 @@ def fitted_profile_text(text: str, fit: Fit, *, note: str, name: str | None = No
     fitted values."""
     import yaml
 
-    from autoplan.cluster.load import _scalar
+    from autoplan.cluster.dump import _scalar
 
     lines = text.splitlines()
     data = yaml.safe_load(text)
