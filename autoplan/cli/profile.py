@@ -118,12 +118,10 @@ def _options(args: argparse.Namespace, env: dict[str, int] | None):
 
 def run(args: argparse.Namespace) -> int:
     code = _run(args)
-    if _torchrun_env() is not None:
-        # a rank of torchrun's has had a process group: exit without interpreter teardown, which gloo's threads
-        # can abort after a clean run (autoplan.execute.worker.run_guarded says why)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+    if _torchrun_env() is not None:  # a rank of torchrun's has had a process group
+        from autoplan.execute.worker import exit_without_teardown
+
+        exit_without_teardown(code)
     return code
 
 

@@ -57,11 +57,10 @@ def _ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tupl
     min(intra bus bw, per_node * per-device NIC bw * fraction) and every step waits on the
     inter-node latency."""
     intra, inter = cluster.intra_node, cluster.inter_node
+    if not group.crosses_nodes:  # all-reduce-class rings by the group's size where the profile measured it
+        share = intra.busbw_fraction(group.size) if fraction == "allreduce_busbw_fraction" else getattr(intra, fraction)
+        return intra.bw_bytes_per_s * share, intra.latency_s
     intra_bw = intra.bw_bytes_per_s * getattr(intra, fraction)
-    if not group.crosses_nodes:
-        if fraction == "allreduce_busbw_fraction":  # by the group's size where the profile measured it
-            intra_bw = intra.bw_bytes_per_s * intra.busbw_fraction(group.size)
-        return intra_bw, intra.latency_s
     inter_bw = group.per_node * inter.bw_bytes_per_s * getattr(inter, fraction)
     bw = min(intra_bw, inter_bw) if group.per_node > 1 else inter_bw
     return bw, inter.latency_s

@@ -120,8 +120,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
 def run_guarded(run_dir: str, body: Callable[[int], None]) -> NoReturn:
     """Run body(rank) with the launcher's failure protocol: the stack on SIGTERM to
     <run-dir>/stack-<rank>.txt, a failure's traceback to <run-dir>/error-<rank>.json, then exit 1
-    (launch.diagnose reads both); a clean run exits 0 without interpreter teardown. Shared by the
-    training worker and autoplan.execute.serve."""
+    (launch.diagnose reads both); a clean run exits 0, both without interpreter teardown
+    (exit_without_teardown). Shared by the training worker, autoplan.execute.serve and
+    autoplan.execute.component_worker."""
     rank = int(os.environ.get("RANK", "0"))
     os.makedirs(run_dir, exist_ok=True)
     # kept open for the life of the process: faulthandler writes to it on SIGTERM
@@ -137,16 +138,21 @@ def run_guarded(run_dir: str, body: Callable[[int], None]) -> NoReturn:
             json.dump(record, f)
         os.replace(path + ".tmp", path)
         sys.stderr.write(f"[rank {rank}] {record['traceback']}")
-        sys.stderr.flush()
-        os._exit(1)  # skip teardown: a broken process group can hang it
-    # A clean run skips interpreter teardown too: gloo's worker threads can still hold work objects with
-    # Python references, and destroying them while the interpreter finalizes aborts the process
-    # ("terminate called without an active exception", SIGABRT; pytorch PR #179291 describes it). It hit
-    # about one run in twenty here, after the report was written. Nothing is left to flush but stdio.
+        exit_without_teardown(1)  # a broken process group can hang the teardown
+    stack_file.close()
+    exit_without_teardown(0)
+
+
+def exit_without_teardown(code: int) -> NoReturn:
+    """Flush stdio and leave with os._exit: no interpreter teardown. A failed rank's broken process group can
+    hang it; after a clean run gloo's worker threads can still hold work objects with Python references, and
+    destroying them while the interpreter finalizes aborts the process ("terminate called without an active
+    exception", SIGABRT; pytorch PR #179291 describes it): about one run in twenty here, after the report
+    was written. For any process that had a gloo process group (the workers here, `autoplan profile` under
+    torchrun); everything else it wrote is closed already."""
     sys.stdout.flush()
     sys.stderr.flush()
-    stack_file.close()
-    os._exit(0)
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -191,12 +191,11 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
             # candidates of one layer-table key share their per-rank fields, hence (mostly) their collectives
-            firsts = {k: col[first] for k, col in cols.items()}
-            shared = assemble_shared(f, shape["layers_per_rank"], extra, firsts, pp, v, cluster, engine,
-                                     Pricing(prices, key[first]), m=microbatches(firsts, global_batch))
+            m = microbatches(cols, global_batch)
+            shared = assemble_shared(f, shape["layers_per_rank"], extra, {k: col[first] for k, col in cols.items()},
+                                     pp, v, cluster, engine, Pricing(prices, key[first]), m=m[first])
             act, work = shape["per_rank"][:, :, SUMMED.index("act")][key], shape["work"][key]
-            step[rows], peak[rows], act_out[rows] = by_schedule(
-                shared, of, cols["schedule"], microbatches(cols, global_batch), act, work, pp, v)
+            step[rows], peak[rows], act_out[rows] = by_schedule(shared, of, cols["schedule"], m, act, work, pp, v)
     return Quick(step_time_s=step, peak_mem_bytes=peak, act_mem_bytes=act_out)
 
 
