@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from autoplan.cluster.types import ClusterSpec, DeviceSpec
 from autoplan.cost import comm
 from autoplan.cost.compute import H2D_SYNC_COPY_S
@@ -33,7 +35,7 @@ from autoplan.cost.timeline import shared_cores_pipeline_time_s
 from autoplan.cost.types import GroupPlacement, LayerCost
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
-from autoplan.plan.layout import ZeroLayout, stage_ranks, zero_layout
+from autoplan.plan.layout import stage_ranks, zero_layout
 from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Recompute
 
 # The optimizer step per local parameter, memory-bound passes (PyTorch / apex multi-tensor kernels):
@@ -229,7 +231,7 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     for view in views:
         if id(view) not in envs:
             costs = with_fresh_grads(_layer_costs(graph, view, config, layer_recompute, engine),
-                                     fresh_grad_share(layout, m, engine))
+                                     fresh_grad_share(layout.reduce_every_microbatch, m, engine))
             envs[id(view)] = _Env(view=view, costs=costs,
                                   groups=dp_groups(config, view),
                                   pp_cross=comm.group_placement(config, ("pp",), view.devices_per_node).crosses_nodes)
@@ -325,14 +327,17 @@ class _Env:
     pp_cross: bool
 
 
-def fresh_grad_share(layout: ZeroLayout, m: int, engine: Engine) -> float:
+def fresh_grad_share(reduce_every_microbatch: Any, m: Any, engine: Engine) -> Any:
     """Share of a step's microbatches whose weight gradients land in a freed .grad under
     engine.grad_freed_after_reduce: every one when the layout reduces every microbatch (FSDP2's post_backward
     frees each unsharded gradient after its reduce-scatter), else the step's first of m (the gradients
-    accumulate after optimizer.zero_grad(set_to_none=True)); 0 without the engine field."""
+    accumulate after optimizer.zero_grad(set_to_none=True)); 0 without the engine field. Scalars (the exact
+    model: ZeroLayout.reduce_every_microbatch) or numpy arrays of candidates (the quick estimate)."""
     if not engine.grad_freed_after_reduce:
         return 0.0
-    return 1.0 if layout.reduce_every_microbatch else 1.0 / m
+    if np.ndim(reduce_every_microbatch) == 0 and np.ndim(m) == 0:
+        return 1.0 if reduce_every_microbatch else 1.0 / m
+    return np.where(reduce_every_microbatch, 1.0, 1.0 / m)
 
 
 def with_fresh_grads(costs: dict[str, LayerCost], share: float) -> dict[str, LayerCost]:

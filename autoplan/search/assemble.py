@@ -18,7 +18,7 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.dataparallel import ddp_grad_pass_bytes, grad_wire_bytes
-from autoplan.cost.estimate import adam_bytes_per_param
+from autoplan.cost.estimate import adam_bytes_per_param, fresh_grad_share
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import dtype_bytes
@@ -136,9 +136,9 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     schedule column is not read: rows equal but for it give the same terms); arguments as assemble's, `m`
     each row's microbatches per step (needed with Engine.grad_freed_after_reduce)."""
     lay = layouts(c, engine)
-    if engine.grad_freed_after_reduce and "fresh" in f:  # cost.estimate.fresh_grad_share / with_fresh_grads
+    if engine.grad_freed_after_reduce and "fresh" in f:  # as cost.estimate.with_fresh_grads
         assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
-        cut = f["fresh"] * np.where(lay["reduce_every_microbatch"][:, None] > 0, 1.0, 1.0 / m[:, None])
+        cut = f["fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine)
         f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
     sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
