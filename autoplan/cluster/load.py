@@ -118,7 +118,9 @@ def _check_keys(
             )
 
 
-def _number(value: Any, field: str, path: str, *, allow_zero: bool = False) -> float:
+def _number(value: Any, field: str, path: str, *, allow_zero: bool = False, fraction: bool | None = None) -> float:
+    """A positive number (or 0 with allow_zero); a fraction of nominal, in (0, 1], when `fraction` is true or,
+    left None, when the field's name is one of _FRACTIONS."""
     # PyYAML (YAML 1.1) reads "1e9" without a dot or exponent sign as a string: accept it.
     if isinstance(value, str):
         try:
@@ -129,7 +131,7 @@ def _number(value: Any, field: str, path: str, *, allow_zero: bool = False) -> f
         raise ValueError(f"{path}: field {field!r} must be a number, got {value!r}")
     if not (value > 0 or (allow_zero and value == 0)):
         raise ValueError(f"{path}: field {field!r} must be {'>=' if allow_zero else '>'} 0, got {value!r}")
-    if field.rsplit(".", 1)[-1] in _FRACTIONS and value > 1:
+    if (field.rsplit(".", 1)[-1] in _FRACTIONS if fraction is None else fraction) and value > 1:
         raise ValueError(
             f"{path}: field {field!r} is a fraction of nominal and must be in (0, 1], got {value!r}"
         )
@@ -204,11 +206,7 @@ def _by_ranks(data: Any, field: str, path: str) -> tuple[tuple[int, float], ...]
     for ranks, fraction in data.items():
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
             raise ValueError(f"{path}: field {field!r}: group size {ranks!r} must be an integer >= 2")
-        value = _number(fraction, f"{field}.{ranks}", path)
-        if value > 1:
-            raise ValueError(f"{path}: field '{field}.{ranks}' is a fraction of nominal and must be in (0, 1], "
-                             f"got {fraction!r}")
-        out.append((ranks, value))
+        out.append((ranks, _number(fraction, f"{field}.{ranks}", path, fraction=True)))
     return tuple(sorted(out))
 
 
