@@ -56,7 +56,8 @@ class DeviceSpec:
     # per-architecture channel rules (0: unknown, cross-node channels then fall back to nccl_sms)
     compute_capability: int = 0
     # GEMM kernels overlap a tile's epilogue (the C write) with the next tile's mainloop (persistent,
-    # warp-specialised kernels: CUTLASS 3 / cuBLAS on Hopper); False: the C traffic adds (one tile per SM)
+    # ping-pong warp-specialised kernels: CUTLASS 3 KernelTmaWarpSpecializedPingpong); False: the C traffic
+    # adds, as measured for cuBLAS on A100 and on H100 (profiles/dgx-h100-80gb.yaml cites the measurements)
     gemm_epilogue_overlap: bool = False
 
     def peak(self, dtype: str = "bf16") -> float:
