@@ -56,8 +56,13 @@ class DeviceSpec:
     # per-architecture channel rules (0: unknown, cross-node channels then fall back to nccl_sms)
     compute_capability: int = 0
     # GEMM kernels overlap a tile's epilogue (the C write) with the next tile's mainloop (persistent,
-    # warp-specialised kernels: CUTLASS 3 / cuBLAS on Hopper); False: the C traffic adds (one tile per SM)
+    # ping-pong warp-specialised kernels: CUTLASS 3 KernelTmaWarpSpecializedPingpong); False: the C traffic
+    # adds, as measured for cuBLAS on A100 and on H100 (profiles/dgx-h100-80gb.yaml cites the measurements)
     gemm_epilogue_overlap: bool = False
+    # seconds from a GEMM tile's start to the arrival of its first stage of A and B, paid once per tile by
+    # kernels that load each tile's operands only once it starts (CUTLASS 2.x multistage prologue): one
+    # global-memory round trip per wave of tiles (cost/kernels.gemm_pass_s). 0: hidden or not modelled
+    gemm_tile_fill_s: float = 0.0
 
     def peak(self, dtype: str = "bf16") -> float:
         table = dict(self.peak_flops)

@@ -45,6 +45,19 @@ def _waves_utilisation(blocks: float, sms: int) -> float:
     return blocks / (waves * sms) if waves else 0.0
 
 
+def _tiling(m: float, n: float, batch: float, sms: int) -> tuple[float, int]:
+    """(rate, waves) of the best cuBLAS tile for an m x n output (`batch` of them) on `sms` SMs: rate is
+    (tile rate relative to 256x128) x (useful output / output computed) x (busy share of the waves)."""
+    best, best_waves = 0.0, 0
+    for tm, tn in GEMM_TILES:
+        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
+        useful = batch * m * n / (tiles * tm * tn)
+        rate = (tm * tn / (tm + tn)) / _BEST_INTENSITY * useful * _waves_utilisation(tiles, sms)
+        if rate > best:
+            best, best_waves = rate, math.ceil(tiles / sms)
+    return best, best_waves
+
+
 def gemm_efficiency(device: DeviceSpec, m: float, n: float, k: float, *, batch: float = 1.0,
                     sms: int | None = None) -> float:
     """Fraction of peak a GEMM with an m x n output (`batch` of them in one batched call) reaches.
@@ -61,13 +74,20 @@ def gemm_efficiency(device: DeviceSpec, m: float, n: float, k: float, *, batch: 
         return device.matmul_efficiency
     if device.num_sms <= 0 or sms <= 0:
         return matmul_efficiency(device, 2.0 * m * n * k * batch)
-    best = 0.0
-    for tm, tn in GEMM_TILES:
-        tiles = batch * math.ceil(m / tm) * math.ceil(n / tn)
-        useful = batch * m * n / (tiles * tm * tn)
-        rate = (tm * tn / (tm + tn)) / _BEST_INTENSITY
-        best = max(best, rate * useful * _waves_utilisation(tiles, sms))
-    return device.matmul_efficiency * best
+    return device.matmul_efficiency * _tiling(m, n, batch, sms)[0]
+
+
+def gemm_fill_s(device: DeviceSpec, m: float, n: float, *, batch: float = 1.0) -> float:
+    """Pipeline fill of one GEMM: gemm_tile_fill_s per wave of its output tiles (the tiling
+    gemm_efficiency picks). CUTLASS 2.x's multistage mainloop (include/cutlass/gemm/threadblock/
+    mma_multistage.h, operator(): "Prologue / Issue several complete stages", then
+    cp_async_wait<kStages - 2> and __syncthreads before the first MMA) starts loading a tile's A and B
+    only when the tile starts, so each tile waits one global-memory round trip with its tensor cores
+    idle; one tile runs per SM at a time, so a GEMM pays it once per wave. Over k / k_block mainloop
+    iterations it weighs most on small-k GEMMs (attention's Q K^T at k = head_dim)."""
+    if device.num_sms <= 0 or device.gemm_tile_fill_s <= 0 or m <= 0 or n <= 0:
+        return 0.0
+    return device.gemm_tile_fill_s * _tiling(m, n, batch, device.num_sms)[1]
 
 
 def matmul_efficiency(device: DeviceSpec, flops: float) -> float:
@@ -83,7 +103,7 @@ def matmul_efficiency(device: DeviceSpec, flops: float) -> float:
 def gemm_pass_s(device: DeviceSpec, peak_flops: float, m: float, k: float, n: float, count: float,
                 dtype_bytes: int, *, out_bytes: float | None = None, batch: float = 1.0) -> float:
     """Roofline time of `count` GEMMs [m x k] @ [k x n] (each a batch of `batch`): max(FLOPs / (peak *
-    gemm_efficiency), bytes / (HBM bw * mem_bw_efficiency)) (Williams et al., "Roofline", CACM 2009;
+    gemm_efficiency) + gemm_fill_s, bytes / (HBM bw * mem_bw_efficiency)) (Williams et al., "Roofline", CACM 2009;
     NVIDIA "Matrix Multiplication Background User's Guide": arithmetic intensity 2 m n k / (bytes of A,
     B and C)). Bytes: read A (m k) and B (k n), write C (m n) in the training dtype, or `out_bytes` per C
     element when C is accumulated into (a weight gradient). A GEMM with few rows m (few tokens on this
@@ -94,12 +114,14 @@ def gemm_pass_s(device: DeviceSpec, peak_flops: float, m: float, k: float, n: fl
     c_bytes = (dtype_bytes if out_bytes is None else out_bytes) * m * n * batch
     operand_bytes = (m * k + k * n) * dtype_bytes * batch
     rate = peak_flops * gemm_efficiency(device, m, n, k, batch=batch)
+    compute_s = flops / rate + gemm_fill_s(device, m, n, batch=batch)
     if device.num_sms > 0 and not device.gemm_epilogue_overlap:
         # each tile's mainloop streams A and B, then its epilogue writes (or accumulates into) C; in a
         # non-persistent kernel one CTA per SM does both in turn, so the C traffic adds to the mainloop
-        # (CUTLASS "Efficient GEMM in CUDA": mainloop, then epilogue, per threadblock tile)
-        return count * (max(flops / rate, memory_time_s(device, operand_bytes)) + memory_time_s(device, c_bytes))
-    return count * max(flops / rate, memory_time_s(device, operand_bytes + c_bytes))
+        # (CUTLASS "Efficient GEMM in CUDA": mainloop, then epilogue, per threadblock tile). Measured on H100 as
+        # on A100: at a fixed output, time = C write + k-linear mainloop (profiles' gemm_epilogue_overlap notes)
+        return count * (max(compute_s, memory_time_s(device, operand_bytes)) + memory_time_s(device, c_bytes))
+    return count * max(compute_s, memory_time_s(device, operand_bytes + c_bytes))
 
 
 def flash_efficiency(device: DeviceSpec, *, batch_heads: float, s_q: float, s_k: float, head_dim: float,

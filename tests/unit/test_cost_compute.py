@@ -185,3 +185,41 @@ def test_causal_attention_changes_time_not_model_flops() -> None:
     e_causal, e_full = (estimate_config(x, cluster, cfg, global_batch=16) for x in (g, full))
     assert e_causal.step_time_s < e_full.step_time_s
     assert math.isclose(e_causal.mfu * e_causal.step_time_s, e_full.mfu * e_full.step_time_s, rel_tol=1e-9)
+
+
+@pytest.mark.parametrize("profile", ["dgx-a100-80gb", "dgx-h100-80gb", "h200"])
+def test_small_k_gemm_pays_its_output_write(profile: str) -> None:
+    """At a fixed 4096 x 4096 bf16 output, a GEMM's time is its mainloop plus the write of C (measured on
+    A100 and H100: profiles' gemm_epilogue_overlap comments), so k = 256 runs below the k = 4096 rate.
+    Hand: 256x128 tiles, 512 of them in ceil(512 / SMs) waves; mainloop 2 m n k / (peak x
+    matmul_efficiency x 512 / (waves x SMs)) + waves x gemm_tile_fill_s; C 4096^2 x 2 bytes at HBM bw x
+    mem_bw_efficiency."""
+    from autoplan.cluster.load import Cluster
+    from autoplan.cost.compute import gemm_pass_s
+    d = Cluster.load(profile, num_nodes=1).device
+    peak = d.peak("bf16")
+    sms = d.num_sms
+    waves = math.ceil(512 / sms)
+    util = 512 / (waves * sms)
+    write_s = 4096**2 * 2 / (d.mem_bw_bytes_per_s * d.mem_bw_efficiency)
+    rate = {}
+    for k in (256, 4096):
+        mainloop_s = 2 * 4096**2 * k / (peak * d.matmul_efficiency * util) + waves * d.gemm_tile_fill_s
+        t = gemm_pass_s(d, peak, 4096, k, 4096, 1, 2)
+        assert math.isclose(t, mainloop_s + write_s, rel_tol=1e-12), k
+        rate[k] = 2 * 4096**2 * k / t
+    assert rate[256] < 0.8 * rate[4096]  # the write is half to all of the mainloop at k = 256, 4-9 % of it at k = 4096
+
+
+def test_tile_fill_is_paid_once_per_wave_of_tiles() -> None:
+    """gemm_tile_fill_s = 1 us on an ideal 108-SM device: a 2304 x 1536 output is 9 x 12 = 108 tiles of
+    256x128 (one full wave; 128x128 tiles would need two), 6912 x 1536 is 324 tiles (three waves), so 3
+    compute-bound GEMMs (k = 4096) take 3 x 1 and 3 x 3 us longer than without the fill; on a profile
+    without SMs (a CPU) there is no tile to fill."""
+    from autoplan.cost.kernels import gemm_fill_s, gemm_pass_s
+    base = dataclasses.replace(a100_cluster(ideal=True).device, num_sms=108)
+    filled = dataclasses.replace(base, gemm_tile_fill_s=1e-6)
+    for m, waves in ((2304, 1), (6912, 3)):
+        extra = gemm_pass_s(filled, 312e12, m, 4096, 1536, 3, 2) - gemm_pass_s(base, 312e12, m, 4096, 1536, 3, 2)
+        assert math.isclose(extra, 3 * waves * 1e-6, rel_tol=1e-9), m
+    assert gemm_fill_s(dataclasses.replace(filled, num_sms=0), 6912, 1536) == 0.0
