@@ -85,6 +85,7 @@ class Rank:
     max_param_numel: float = 0.0  # largest single weight matrix held (DeepSpeed gathers per parameter)
     dp_tail: float = 0.0  # gradient reduction after the last microbatch, not hidden by the backward
     param_gather: float = 0.0  # the once-per-step weight all-gather, exposed part
+    async_reduce: float = 0.0  # per microbatch: the reductions an asynchronous stream runs (pipeline.reduce_stream_floor_s)
     costs: list[LayerCost] = field(default_factory=list)
     layers: list[Layer] = field(default_factory=list)
 
@@ -199,7 +200,9 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     copy_in = reduce_copy_in_s(sum(dense) + sum(expert), cluster, layout, engine)
     dp_f = dp_b = 0.0
     if async_reduce(layout, engine):
-        dp_b, tail = async_reduce_s(fwd, bwd[::-1], reduces(back), cluster, frac)
+        post = reduces(back)
+        dp_b, tail = async_reduce_s(fwd, bwd[::-1], post, cluster, frac)
+        rank.async_reduce = sum(post)
         dp_b += copy_in
         rank.dp_tail += tail
     if layout.weight_gathers_per_microbatch >= 2:

@@ -29,14 +29,14 @@ from autoplan.cost.hetero import crosses_groups, default_split, link_p2p_s, rank
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import estimate_layer
 from autoplan.cost.memory import rank_memory, state_bytes_per_param
-from autoplan.cost.pipeline import pipeline_time_s
+from autoplan.cost.pipeline import pipeline_time_s, reduce_stream_floor_s
 from autoplan.cost.stages import check_config, check_stages
 from autoplan.cost.timeline import shared_cores_pipeline_time_s
 from autoplan.cost.types import GroupPlacement, LayerCost
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks, zero_layout
-from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Recompute
+from autoplan.plan.types import Breakdown, Estimate, ParallelConfig, Recompute, Schedule
 
 # The optimizer step per local parameter, memory-bound passes (PyTorch / apex multi-tensor kernels):
 # - Adam itself (Kingma & Ba 2015; torch.optim.AdamW, apex FusedAdam): read the fp32 weight, gradient,
@@ -262,8 +262,10 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     dp_tail = step_tail_s([r.dp_tail for r in ranks], offsets, placement[-1], tied, engine.tied_reduce_before_dp)
     param_gather = max(r.param_gather for r in ranks)
     optimizer = max(_optimizer_s(r, env.view, config, layout, engine) for r, env in zip(ranks, env_of))
-    step = pipe + dp_tail + param_gather + optimizer
-    breakdown = _breakdown(ranks, m, pipe, dp_tail + param_gather, optimizer)
+    head = pipe + dp_tail + param_gather
+    floor = float(_reduce_floor(ranks, config, m))
+    step = max(head, floor) + optimizer
+    breakdown = _breakdown(ranks, m, pipe, dp_tail + param_gather + max(floor - head, 0.0), optimizer)
     memories = [rank_memory(r, k, env_of[k].view, config, m, layout=layout, engine=engine, groups=env_of[k].groups,
                             deepspeed=deepspeed) for k, r in enumerate(ranks)]
     # the most loaded rank against its own device (the same device everywhere when homogeneous)
@@ -376,6 +378,19 @@ def _optimizer_s(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layou
     groups_expert = config.expert_dp if layout.shards_optimizer else 1  # dp * cp unfolded
     local = rank.dense_params / groups_dense + rank.expert_params / groups_expert
     return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
+
+
+def _reduce_floor(ranks: list[Rank], config: ParallelConfig, m: int) -> float:
+    """pipeline.reduce_stream_floor_s over the ranks' layers (forward with its tp / cp / ep traffic,
+    backward the rest; zero bubble's gradient passes its input-gradient part) and asynchronous reductions."""
+    if not any(r.async_reduce for r in ranks):
+        return 0.0
+    fwd = [sum(c.fwd_s + c.fwd_comm_s for c in r.costs) for r in ranks]
+    bwd = [sum(c.time_s for c in r.costs) - f for r, f in zip(ranks, fwd)]
+    if config.schedule is Schedule.ZERO_BUBBLE:
+        bwd = [b - sum(c.bwd_weight_s for c in r.costs) for r, b in zip(ranks, bwd)]
+    chunks = config.virtual_stages if config.schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE) else 1
+    return reduce_stream_floor_s(fwd, bwd, [r.async_reduce for r in ranks], m, chunks)
 
 
 def _breakdown(ranks: list[Rank], m: int, pipe: float, dp_after: float, optimizer: float) -> Breakdown:

@@ -7,6 +7,9 @@ Times are per microbatch per pipeline rank (a rank's chunks summed); the slowest
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 from autoplan.plan.types import Schedule
 
@@ -109,3 +112,29 @@ def in_flight_microbatches(schedule: Schedule | str, p: int, v: int, m: int, ran
         chunks = (p - rank - 1) * 2 + (v - 1) * p + 1
         return min(chunks, m * v) / v
     return float(min(m, p - rank))
+
+
+def reduce_stream_floor_s(fwd: Any, hop_bwd: Any, reduce: Any, m: Any, chunks: Any) -> Any:
+    """Lower bound on the step (before the optimizer) of a pipeline whose every-microbatch gradient
+    reductions run on a stream of their own that the backward does not wait for (Engine.grad_reduce_async,
+    cost/dataparallel.async_reduce_s), per rank [..., p] (a rank's chunks summed, per microbatch): the
+    layers' forward `fwd`, the backward a gradient passes through on its way back `hop_bwd` (the whole
+    backward; zero bubble's input-gradient part), the rank's reductions `reduce`; `m` microbatches,
+    `chunks` virtual stages per rank (1 but for interleaved and zero bubble). Numbers or numpy arrays.
+
+    A gradient exists only once its backward has run, and one data-parallel communicator runs a rank's
+    reductions one after another, so rank r's stream ends no earlier than its first backward's start +
+    m x reduce[r]. The first backward anywhere is microbatch 0's at the last virtual stage, after that
+    microbatch's forward through every stage (sum_r fwd[r]); rank r's first backward waits for the
+    gradient to come back through each later rank, one chunk each (sum_{r' > r} hop_bwd[r'] / chunks):
+    the schedule's warm-up forwards (Megatron-LM / torch.distributed.pipelining interleaved 1F1B:
+    (p - r - 1) 2 + (v - 1) p of them on rank r) have no gradient to hide a reduction behind. The steady
+    state's m x max(compute, reductions) (async_reduce_s) assumes every microbatch slot has one; this
+    bound is what the warm-up costs when the reductions are the bottleneck. Pipeline hops and the wait for
+    a first layer's backward only add to it (left out: it stays a lower bound). Zero where no rank
+    reduces asynchronously."""
+    fwd, hop, reduce = (np.asarray(a, dtype=float) for a in (fwd, hop_bwd, reduce))
+    after = np.cumsum(hop[..., ::-1], axis=-1)[..., ::-1] - hop  # sum over the later ranks
+    start = fwd.sum(axis=-1, keepdims=True) + after / np.asarray(chunks, dtype=float)[..., None]
+    floor = (start + np.asarray(m, dtype=float)[..., None] * reduce).max(axis=-1)
+    return np.where(reduce.max(axis=-1) > 0, floor, 0.0)

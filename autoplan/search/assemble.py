@@ -192,6 +192,9 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     per_mb = np.maximum(reduce - f["time"], 0.0) + frac * np.minimum(reduce, f["time"])
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
     dp_b = np.where(asyn, per_mb + copy_in, dp_b)
+    # cost.pipeline.reduce_stream_floor_s's per-rank terms (layers' forward, backward, its weight part, the
+    # asynchronous reductions), where any candidate reduces asynchronously
+    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce, 0.0)) if np.any(asyn) else None)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac)
     x = f["time"] + hops + dp_f + dp_b
@@ -203,7 +206,8 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
     states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
-    return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve)
+    return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve,
+                  floor=floor)
 
 
 def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_s: np.ndarray

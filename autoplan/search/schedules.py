@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autoplan.cost.pipeline import reduce_stream_floor_s
 from autoplan.plan.types import Schedule
 from autoplan.search.space import SCHEDULES
 
@@ -35,6 +36,9 @@ class Shared:
     once: tuple[np.ndarray, ...]
     states: np.ndarray
     reserve: np.ndarray
+    # per rank [n, p]: the layers' forward, backward and its weight part, and the asynchronous reductions
+    # (cost.pipeline.reduce_stream_floor_s); None where no candidate reduces asynchronously
+    floor: tuple[np.ndarray, ...] | None = None
 
 
 def shared_pipeline(x: np.ndarray, weight: np.ndarray, steady, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -55,8 +59,12 @@ def by_schedule(shared: Shared, of: np.ndarray | None, schedule: np.ndarray, m: 
     zb = schedule == _ZB
     chunks = np.where((schedule == _INTERLEAVED) | zb, v, 1)
     step = m * pick(shared.peak) + np.where(zb, pick(shared.bubble_zb), pick(shared.bubble)) / chunks
-    for term in shared.once:
+    for k, term in enumerate(shared.once):
         step = step + pick(term)
+        if k == 0 and shared.floor is not None:  # the step tail's end against the reduction stream's
+            fwd, bwd, weight, reduce = (pick(a) for a in shared.floor)
+            hop = np.where(zb[:, None], bwd - weight, bwd)
+            step = np.maximum(step, reduce_stream_floor_s(fwd, hop, reduce, m, chunks))
     acts = act * inflight(schedule, pp, v, m) + work
     return step, (pick(shared.states) + acts).max(axis=1) + pick(shared.reserve), acts.max(axis=1)
 
