@@ -93,6 +93,13 @@ class LinkSpec:
     # NVSwitch reaches less than an 8-rank one): ((ranks, fraction), ...), ranks ascending; a group size not
     # listed uses allreduce_busbw_fraction. () = one fraction for every group size
     allreduce_busbw_fraction_by_ranks: tuple[tuple[int, float], ...] = ()
+    # NCCL's tree all-reduce (cost/comm.all_reduce_s): the latency of one hop of its tree on this link (intra-node:
+    # a hop of the chain through the node's GPUs; inter-node: a level of the double binary tree), 0 = the inter-node
+    # hop at simple_latency_s (or latency_s) and no intra-node chain latency
+    tree_latency_s: float = 0.0
+    # inter-node link: nccl-tests bus bandwidth of NCCL's tree all-reduce / bw (below the ring's: the tree does not
+    # reach the ring's NIC bandwidth beyond two nodes), 0 = allreduce_busbw_fraction
+    tree_busbw_fraction: float = 0.0
 
     def busbw_fraction(self, ranks: int) -> float:
         """The all-reduce bus-bandwidth fraction of a ring of `ranks` members on this link."""
