@@ -97,9 +97,9 @@ class LinkSpec:
     # a hop of the chain through the node's GPUs; inter-node: a level of the double binary tree), 0 = the inter-node
     # hop at simple_latency_s (or latency_s) and no intra-node chain latency
     tree_latency_s: float = 0.0
-    # inter-node link: nccl-tests bus bandwidth of NCCL's tree all-reduce / bw (below the ring's: the tree does not
-    # reach the ring's NIC bandwidth beyond two nodes), 0 = allreduce_busbw_fraction
-    tree_busbw_fraction: float = 0.0
+    # inter-node link: bus bandwidth of NCCL's tree all-reduce / that of its ring (allreduce_busbw_fraction) across
+    # more than two nodes, in (0, 1] (the tree does not reach the ring's NIC bandwidth there), 0 = 1 (the ring's)
+    tree_busbw_ratio: float = 0.0
 
     def busbw_fraction(self, ranks: int) -> float:
         """The all-reduce bus-bandwidth fraction of a ring of `ranks` members on this link."""

@@ -127,14 +127,14 @@ def _tree_s(group: GroupPlacement, nbytes: float, cluster: ClusterSpec) -> float
     log2i(nodes) x inter hop), hops at LinkSpec.tree_latency_s (tuning.cc hwLat[NVLINK|NET][TREE][LL128]: the
     protocol NCCL's model picks for the tree at the sizes it wins). Bandwidth: each node sends and receives 2 S
     through its NICs (interior in one tree, leaf in the other), at the measured tree bus bandwidth
-    (inter_node.tree_busbw_fraction beyond two nodes, where its sources measured it; default the ring's fraction).
+    (the ring's fraction x inter_node.tree_busbw_ratio beyond two nodes, where its sources measured it).
     On exactly two nodes NCCL's model gives the tree about the ring's per-channel bandwidth (tuning.cc
     perChMaxTreeBws[Ampere] 23.6 GB/s for 2 nodes, 17.8 for 4+) and its tree crosses the network with S, not 2 S
     (NVIDIA/nccl issue 946); published 2-node nccl-tests on 8 A100 + 4 HDR NICs reach only ring-level bus
     bandwidth (86-91 GB/s: NVIDIA/nccl-tests issues 100, 175), so two nodes keep the ring's fraction and 2 S."""
     intra, inter = cluster.intra_node, cluster.inter_node
-    fraction = inter.tree_busbw_fraction if group.num_nodes > 2 else 0.0
-    nic_bw = group.per_node * inter.bw_bytes_per_s * (fraction or inter.allreduce_busbw_fraction)
+    ratio = (inter.tree_busbw_ratio or 1.0) if group.num_nodes > 2 else 1.0
+    nic_bw = group.per_node * inter.bw_bytes_per_s * inter.allreduce_busbw_fraction * ratio
     inter_hop = inter.tree_latency_s or inter.simple_latency_s or inter.latency_s
     hops = (group.per_node - 1) * intra.tree_latency_s + int(math.log2(group.num_nodes)) * inter_hop
     return max(intra.base_latency_s, inter.base_latency_s) + 2 * hops + 2 * nbytes / nic_bw

@@ -15,14 +15,14 @@ BASE, LL, SIMPLE, NET_LL, NET_SIMPLE = 35e-6, 0.6e-6, 3.4e-6, 2.7e-6, 14e-6
 TREE_NVL, TREE_NET = 1.25e-6, 8.5e-6
 
 
-def _nccl_cluster(num_nodes: int, *, tree_fraction: float = 0.5):
+def _nccl_cluster(num_nodes: int, *, tree_ratio: float = 0.625):
     """a100_cluster with NCCL's two ring protocols (LL latency_s / Simple simple_latency_s, LL at half the bus
     bandwidth, no LL cap) and tree hop latencies on both links."""
     c = a100_cluster(num_nodes)
     intra = dataclasses.replace(c.intra_node, latency_s=LL, simple_latency_s=SIMPLE, base_latency_s=BASE,
                                 tree_latency_s=TREE_NVL)
     inter = dataclasses.replace(c.inter_node, latency_s=NET_LL, simple_latency_s=NET_SIMPLE,
-                                tree_latency_s=TREE_NET, tree_busbw_fraction=tree_fraction)
+                                tree_latency_s=TREE_NET, tree_busbw_ratio=tree_ratio)
     return dataclasses.replace(c, intra_node=intra, inter_node=inter)
 
 
@@ -40,7 +40,7 @@ def test_tree_latency_counts_the_intra_node_chain_and_log2_levels() -> None:
     group = GroupPlacement(size=320, num_nodes=40, per_node=8)
     tiny = 64.0
     # NCCL: base + 2 ((ppn - 1) x intra hop + log2i(nNodes) x inter hop); log2i(40) = 5 (floor)
-    tree = BASE + 2 * (7 * TREE_NVL + 5 * TREE_NET) + 2 * tiny / (8 * 25e9 * 0.5)
+    tree = BASE + 2 * (7 * TREE_NVL + 5 * TREE_NET) + 2 * tiny / (8 * 25e9 * 0.8 * 0.625)
     assert math.isclose(all_reduce_s(tiny, group, c), tree, rel_tol=1e-12)
 
 
@@ -50,16 +50,16 @@ def test_tree_bandwidth_below_the_ring_hands_large_messages_back_to_the_ring() -
     big = 4e9
     bw = min(300e9 * 0.8, 8 * 25e9 * 0.8)  # ring: min(NVLink bus bw, the node's 8 NICs)
     ring = _ring(320, 8, 2, big, bw, inter_steps=80)  # ceil(2 x 319 / 8) = 80 network hops
-    tree = BASE + 2 * (7 * TREE_NVL + 5 * TREE_NET) + 2 * big / (8 * 25e9 * 0.5)
+    tree = BASE + 2 * (7 * TREE_NVL + 5 * TREE_NET) + 2 * big / (8 * 25e9 * 0.8 * 0.625)
     assert ring < tree
     assert math.isclose(all_reduce_s(big, group, c), ring, rel_tol=1e-12)
     # at the ring's fraction the tree would have won: its bandwidth term is what hands the message back
-    same_bw = _nccl_cluster(40, tree_fraction=0.8)
+    same_bw = _nccl_cluster(40, tree_ratio=1.0)
     assert all_reduce_s(big, group, same_bw) < ring
 
 
 def test_two_nodes_keep_the_rings_fraction_for_the_tree() -> None:
-    c = _nccl_cluster(2, tree_fraction=0.1)
+    c = _nccl_cluster(2, tree_ratio=0.1)
     group = GroupPlacement(size=16, num_nodes=2, per_node=8)
     s = 1e6
     tree = BASE + 2 * (7 * TREE_NVL + 1 * TREE_NET) + 2 * s / (8 * 25e9 * 0.8)
@@ -91,5 +91,5 @@ def test_profiles_without_tree_fields_keep_the_old_tree() -> None:
 def test_shipped_a100_profile_prices_the_tree_below_the_ring_bandwidth() -> None:
     spec = Cluster.load("dgx-a100-80gb", num_nodes=64)
     inter = spec.inter_node
-    assert 0 < inter.tree_busbw_fraction < inter.allreduce_busbw_fraction
+    assert 0 < inter.tree_busbw_ratio < 1
     assert spec.intra_node.tree_latency_s > 0 and inter.tree_latency_s > 0
