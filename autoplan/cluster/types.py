@@ -83,6 +83,10 @@ class LinkSpec:
     base_latency_s: float = 0.0
     # NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws; 0 = no cap)
     ll_max_bw_bytes_per_s: float = 0.0
+    # NCCL's LL128 protocol on this link: latency per ring step (tuning.cc hwLat[..][RING][LL128]); 0 = NCCL does
+    # not enable LL128 here (it does on Volta/Ampere NVLink and, from v2.18, Hopper, with the NIC on the GPU's PCIe
+    # switch), so rings pick between LL and Simple
+    ll128_latency_s: float = 0.0
     # inter-node link: the bandwidth NCCL's topology gives one GPU's path to its NIC, min(PCIe link
     # width x GT/s / 80, NIC speed), in bytes/s (src/graph/topo.cc); its topology search fits one ring per
     # such path and sizes the cross-node communicator's channels from it (cost/overlap.nccl_channels).

@@ -67,18 +67,30 @@ def _ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tupl
 
 
 # NCCL's protocols (src/graph/tuning.cc ncclTopoTuneModel): LL moves 8-byte words with a flag each, half
-# the link's bandwidth ("busBw * .5", capped at llMaxBw: LinkSpec.ll_max_bw_bytes_per_s), at the lowest
-# latency per step; Simple moves full chunks at the full bus bandwidth with a longer latency per step.
-# NCCL picks the faster one per call.
-_PROTOCOL_BW = {"ll": 0.5, "simple": 1.0}
+# the link's bandwidth ("busBw * .5" from v2.21.5; v2.7.8-v2.20.5 took 1/4 across nodes, where the llMaxBw cap
+# LinkSpec.ll_max_bw_bytes_per_s binds either way), at the lowest latency per step; LL128 moves 128-byte lines
+# with an 8-byte flag at 0.92 of the bus bandwidth, 0.7 with one GPU per node ("busBw * (ppn < 2 ? 0.7 : 0.92)",
+# v2.7.8-v2.21.5), where the link has it (LinkSpec.ll128_latency_s); Simple moves full chunks at the full bus
+# bandwidth with a longer latency per step. NCCL picks the fastest per call (enqueue.cc getAlgoInfo).
+def _protocols(group: GroupPlacement, cluster: ClusterSpec) -> tuple[tuple[float, float, float, float], ...]:
+    """(intra-node step latency, inter-node step latency, share of the bus bandwidth, bandwidth cap) per protocol
+    the links offer: LL always, LL128 where both links the group uses have it, Simple."""
+    intra, inter = cluster.intra_node, cluster.inter_node
+    link = inter if group.crosses_nodes else intra
+    ll = (intra.latency_s, inter.latency_s, 0.5, link.ll_max_bw_bytes_per_s or math.inf)
+    simple = (intra.simple_latency_s, inter.simple_latency_s or inter.latency_s, 1.0, math.inf)
+    if not intra.ll128_latency_s or (group.crosses_nodes and not inter.ll128_latency_s):
+        return ll, simple
+    share = 0.7 if group.crosses_nodes and group.per_node < 2 else 0.92
+    return ll, (intra.ll128_latency_s, inter.ll128_latency_s, share, math.inf), simple
 
 
 def _ring_steps_s(group: GroupPlacement, passes: int, nbytes: float, bw: float, cluster: ClusterSpec) -> float:
     """`passes` ring passes (reduce-scatter or all-gather: 1, all-reduce: 2) over the group: each pass is
     n - 1 steps moving (n - 1)/n of S (Thakur et al. 2005; nccl-tests PERFORMANCE.md). NCCL's latency model
-    (tuning.cc): base + intra steps x intra latency + inter steps x inter latency, for the cheaper of LL and
-    Simple; a link without Simple latencies gives every step its latency_s (one protocol). Inter steps: the hops
-    of the longest dependency chain that cross the network. NCCL's rings visit a node's GPUs in a row
+    (tuning.cc): base + intra steps x intra latency + inter steps x inter latency, for the cheapest protocol
+    (_protocols); a link without Simple latencies gives every step its latency_s (one protocol). Inter steps: the
+    hops of the longest dependency chain that cross the network. NCCL's rings visit a node's GPUs in a row
     (search.cc: NET n -> GPU a -> ... -> GPU x -> NET n), so one edge in per_node leaves the node and a chunk's
     passes x (n - 1) consecutive hops cross it ceil(passes (n - 1) / per_node) times at worst: passes x (nodes - 1)
     with one GPU per node, 2 x nodes for an all-reduce with more (NCCL v2.14.3-v2.21.5's nInterSteps = 2 nNodes;
@@ -91,18 +103,9 @@ def _ring_steps_s(group: GroupPlacement, passes: int, nbytes: float, bw: float, 
     if not intra.simple_latency_s:  # one protocol: every step at the slowest link's latency (alpha-beta)
         alpha = inter.latency_s if group.crosses_nodes else intra.latency_s
         return passes * (n - 1) * alpha + volume / bw
-    best = float("inf")
-    link = inter if group.crosses_nodes else intra
-    for proto, share in _PROTOCOL_BW.items():
-        lat_intra = intra.latency_s if proto == "ll" else intra.simple_latency_s
-        lat_inter = inter.latency_s if proto == "ll" else (inter.simple_latency_s or inter.latency_s)
-        base = max(intra.base_latency_s, inter.base_latency_s if group.crosses_nodes else 0.0)
-        proto_bw = bw * share
-        if proto == "ll" and link.ll_max_bw_bytes_per_s:
-            proto_bw = min(proto_bw, link.ll_max_bw_bytes_per_s)
-        t = base + intra_steps * lat_intra + inter_steps * lat_inter + volume / proto_bw
-        best = min(best, t)
-    return best
+    base = max(intra.base_latency_s, inter.base_latency_s if group.crosses_nodes else 0.0)
+    return base + min(intra_steps * lat_intra + inter_steps * lat_inter + volume / min(bw * share, cap)
+                      for lat_intra, lat_inter, share, cap in _protocols(group, cluster))
 
 
 def all_reduce_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:

@@ -93,3 +93,34 @@ def test_shipped_a100_profile_prices_the_tree_below_the_ring_bandwidth() -> None
     inter = spec.inter_node
     assert 0 < inter.tree_busbw_ratio < 1
     assert spec.intra_node.tree_latency_s > 0 and inter.tree_latency_s > 0
+
+
+LL128_NVL, LL128_NET = 1.9e-6, 4.0e-6
+
+
+def _ll128_cluster(num_nodes: int):
+    c = _nccl_cluster(num_nodes)
+    return dataclasses.replace(c, intra_node=dataclasses.replace(c.intra_node, ll128_latency_s=LL128_NVL),
+                               inter_node=dataclasses.replace(c.inter_node, ll128_latency_s=LL128_NET))
+
+
+def test_ll128_wins_mid_size_rings_at_092_of_the_bus_bandwidth() -> None:
+    c = _ll128_cluster(1)
+    group = GroupPlacement(size=8, num_nodes=1, per_node=8)
+    s, bw = 8e6, 300e9 * 0.8
+    ll128 = BASE + 14 * LL128_NVL + 2 * 7 / 8 * s / (0.92 * bw)  # tuning.cc: busBw * 0.92, hwLat 1.9 us
+    assert ll128 < _ring(8, 8, 2, s, bw, inter_steps=0)  # below both LL and Simple
+    assert math.isclose(all_reduce_s(s, group, c), ll128, rel_tol=1e-12)
+    huge = 4e9  # Simple's full bandwidth wins again
+    assert math.isclose(all_reduce_s(huge, group, c), _ring(8, 8, 2, huge, bw, inter_steps=0), rel_tol=1e-12)
+
+
+def test_ll128_with_one_gpu_per_node_runs_at_07() -> None:
+    c = _ll128_cluster(8)
+    group = GroupPlacement(size=8, num_nodes=8, per_node=1)
+    s, bw = 2e6, 25e9 * 0.8
+    ll128 = BASE + 7 * LL128_NET + 7 / 8 * s / (0.7 * bw)  # "ppn < 2 ? 0.7": every hop crosses the NIC
+    assert ll128 < _ring(8, 1, 1, s, bw, inter_steps=7)
+    assert math.isclose(all_gather_s(s, group, c), ll128, rel_tol=1e-12)
+    # a link without LL128 latencies leaves only LL and Simple
+    assert math.isclose(all_gather_s(s, group, _nccl_cluster(8)), _ring(8, 1, 1, s, bw, inter_steps=7), rel_tol=1e-12)
