@@ -9,7 +9,8 @@ bucketing. Engine: megatron-deepspeed (Megatron's kernels: unfused softmax atten
 bias-dropout-add; DeepSpeed's engine, pipeline and activation checkpointing; the gradients all-reduced
 after the schedule: vTrain's configs set use_gradient_bucket false). Hardware: A100 SXM, 8 per node, NVSwitch, and 800 Gb/s of
 InfiniBand per node (4 x 200 Gb/s HDR), half the NICs of a DGX A100: the shipped dgx-a100-80gb profile
-with the per-GPU inter-node bandwidth set to 800 Gb/s / 8 = 12.5 GB/s (the only change).
+with the per-GPU inter-node bandwidth set to 800 Gb/s / 8 = 12.5 GB/s and its all-reduce bus-bandwidth
+fraction to the one nccl-tests measured on two such nodes (VTRAIN_NIC_BUSBW_FRACTION; the only changes).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ from autoplan.plan.types import ParallelConfig
 VTRAIN = Path(__file__).resolve().parent / "data" / "vtrain"
 VOCAB = 50257
 VTRAIN_NIC_BYTES_PER_S = 800e9 / 8 / 8  # 4 x 200 Gb/s HDR per node, 8 GPUs: bytes/s per GPU
+# nccl-tests all_reduce_perf between two nodes of 8 A100-SXM + 4 x 200 Gb/s HDR (vTrain's node): busbw 91 GB/s
+# at 1-8 GB (NVIDIA/nccl-tests issue 100) and 86 GB/s (nccl-tests issue 175) of the 100 GB/s the 4 NICs carry:
+# 0.885, below the 0.96 of a DGX A100 with one NIC per GPU (profiles/dgx-a100-80gb.yaml)
+VTRAIN_NIC_BUSBW_FRACTION = 0.885
 
 
 def vtrain_engine() -> Engine:
@@ -43,11 +48,12 @@ def vtrain_engine() -> Engine:
 
 
 def vtrain_cluster(num_gpus: int) -> ClusterSpec:
-    """dgx-a100-80gb with vTrain's 4 HDR NICs per node (12.5 GB/s per GPU), fp16; fewer than 8 GPUs
-    form one partial node."""
+    """dgx-a100-80gb with vTrain's 4 HDR NICs per node (12.5 GB/s per GPU, at the bus-bandwidth fraction
+    measured on that node shape), fp16; fewer than 8 GPUs form one partial node."""
     per_node = min(num_gpus, 8)
     base = Cluster.load("dgx-a100-80gb", num_nodes=max(num_gpus // 8, 1))
-    inter = dataclasses.replace(base.inter_node, bw_bytes_per_s=VTRAIN_NIC_BYTES_PER_S)
+    inter = dataclasses.replace(base.inter_node, bw_bytes_per_s=VTRAIN_NIC_BYTES_PER_S,
+                                allreduce_busbw_fraction=VTRAIN_NIC_BUSBW_FRACTION)
     return dataclasses.replace(base, devices_per_node=per_node, num_nodes=max(num_gpus // per_node, 1),
                                inter_node=inter, dtype="fp16", name="vtrain-a100")
 

@@ -38,6 +38,7 @@ _FRACTIONS = frozenset(
         "allreduce_busbw_fraction",
         "alltoall_bw_fraction",
         "p2p_bw_fraction",
+        "tree_busbw_ratio",
     }
 )
 _INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes", "num_sms", "nccl_sms", "compute_capability"})

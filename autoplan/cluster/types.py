@@ -88,6 +88,10 @@ class LinkSpec:
     base_latency_s: float = 0.0
     # NCCL's cap on the LL protocol's bus bandwidth (tuning.cc llMaxBws; 0 = no cap)
     ll_max_bw_bytes_per_s: float = 0.0
+    # NCCL's LL128 protocol on this link: latency per ring step (tuning.cc hwLat[..][RING][LL128]); 0 = NCCL does
+    # not enable LL128 here (it does on Volta/Ampere NVLink and, from v2.18, Hopper, with the NIC on the GPU's PCIe
+    # switch), so rings pick between LL and Simple
+    ll128_latency_s: float = 0.0
     # inter-node link: the bandwidth NCCL's topology gives one GPU's path to its NIC, min(PCIe link
     # width x GT/s / 80, NIC speed), in bytes/s (src/graph/topo.cc); its topology search fits one ring per
     # such path and sizes the cross-node communicator's channels from it (cost/overlap.nccl_channels).
@@ -98,6 +102,13 @@ class LinkSpec:
     # NVSwitch reaches less than an 8-rank one): ((ranks, fraction), ...), ranks ascending; a group size not
     # listed uses allreduce_busbw_fraction. () = one fraction for every group size
     allreduce_busbw_fraction_by_ranks: tuple[tuple[int, float], ...] = ()
+    # NCCL's tree all-reduce (cost/comm.all_reduce_s): the latency of one hop of its tree on this link (intra-node:
+    # a hop of the chain through the node's GPUs; inter-node: a level of the double binary tree), 0 = the inter-node
+    # hop at simple_latency_s (or latency_s) and no intra-node chain latency
+    tree_latency_s: float = 0.0
+    # inter-node link: bus bandwidth of NCCL's tree all-reduce / that of its ring (allreduce_busbw_fraction) across
+    # more than two nodes, in (0, 1] (the tree does not reach the ring's NIC bandwidth there), 0 = 1 (the ring's)
+    tree_busbw_ratio: float = 0.0
 
     def busbw_fraction(self, ranks: int) -> float:
         """The all-reduce bus-bandwidth fraction of a ring of `ranks` members on this link."""

@@ -67,61 +67,80 @@ def _ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tupl
 
 
 # NCCL's protocols (src/graph/tuning.cc ncclTopoTuneModel): LL moves 8-byte words with a flag each, half
-# the link's bandwidth ("busBw * .5", capped at llMaxBw: LinkSpec.ll_max_bw_bytes_per_s), at the lowest
-# latency per step; Simple moves full chunks at the full bus bandwidth with a longer latency per step.
-# NCCL picks the faster one per call.
-_PROTOCOL_BW = {"ll": 0.5, "simple": 1.0}
+# the link's bandwidth ("busBw * .5" from v2.21.5; v2.7.8-v2.20.5 took 1/4 across nodes, where the llMaxBw cap
+# LinkSpec.ll_max_bw_bytes_per_s binds either way), at the lowest latency per step; LL128 moves 128-byte lines
+# with an 8-byte flag at 0.92 of the bus bandwidth, 0.7 with one GPU per node ("busBw * (ppn < 2 ? 0.7 : 0.92)",
+# v2.7.8-v2.21.5), where the link has it (LinkSpec.ll128_latency_s); Simple moves full chunks at the full bus
+# bandwidth with a longer latency per step. NCCL picks the fastest per call (enqueue.cc getAlgoInfo).
+def _protocols(group: GroupPlacement, cluster: ClusterSpec) -> tuple[tuple[float, float, float, float], ...]:
+    """(intra-node step latency, inter-node step latency, share of the bus bandwidth, bandwidth cap) per protocol
+    the links offer: LL always, LL128 where both links the group uses have it, Simple."""
+    intra, inter = cluster.intra_node, cluster.inter_node
+    link = inter if group.crosses_nodes else intra
+    ll = (intra.latency_s, inter.latency_s, 0.5, link.ll_max_bw_bytes_per_s or math.inf)
+    simple = (intra.simple_latency_s, inter.simple_latency_s or inter.latency_s, 1.0, math.inf)
+    if not intra.ll128_latency_s or (group.crosses_nodes and not inter.ll128_latency_s):
+        return ll, simple
+    share = 0.7 if group.crosses_nodes and group.per_node < 2 else 0.92
+    return ll, (intra.ll128_latency_s, inter.ll128_latency_s, share, math.inf), simple
 
 
 def _ring_steps_s(group: GroupPlacement, passes: int, nbytes: float, bw: float, cluster: ClusterSpec) -> float:
     """`passes` ring passes (reduce-scatter or all-gather: 1, all-reduce: 2) over the group: each pass is
-    n - 1 steps moving (n - 1)/n of S (Thakur et al. 2005; nccl-tests PERFORMANCE.md), of which
-    nodes - 1 cross the network. NCCL's latency model (tuning.cc): base + intra steps x intra latency +
-    inter steps x inter latency, for the cheaper of LL and Simple; a link without Simple latencies gives
-    every step its latency_s (one protocol)."""
+    n - 1 steps moving (n - 1)/n of S (Thakur et al. 2005; nccl-tests PERFORMANCE.md). NCCL's latency model
+    (tuning.cc): base + intra steps x intra latency + inter steps x inter latency, for the cheapest protocol
+    (_protocols); a link without Simple latencies gives every step its latency_s (one protocol). Inter steps: the
+    hops of the longest dependency chain that cross the network. NCCL's rings visit a node's GPUs in a row
+    (search.cc: NET n -> GPU a -> ... -> GPU x -> NET n), so one edge in per_node leaves the node and a chunk's
+    passes x (n - 1) consecutive hops cross it ceil(passes (n - 1) / per_node) times at worst: passes x (nodes - 1)
+    with one GPU per node, 2 x nodes for an all-reduce with more (NCCL v2.14.3-v2.21.5's nInterSteps = 2 nNodes;
+    v2.7.8 and master count 2 (nNodes - 1))."""
     n = group.size
-    inter_steps = passes * (group.num_nodes - 1)
+    inter_steps = min(-(-passes * (n - 1) // group.per_node), passes * (n - 1)) if group.crosses_nodes else 0
     intra_steps = passes * (n - 1) - inter_steps
     volume = passes * (n - 1) / n * nbytes
     intra, inter = cluster.intra_node, cluster.inter_node
     if not intra.simple_latency_s:  # one protocol: every step at the slowest link's latency (alpha-beta)
         alpha = inter.latency_s if group.crosses_nodes else intra.latency_s
         return passes * (n - 1) * alpha + volume / bw
-    best = float("inf")
-    link = inter if group.crosses_nodes else intra
-    for proto, share in _PROTOCOL_BW.items():
-        lat_intra = intra.latency_s if proto == "ll" else intra.simple_latency_s
-        lat_inter = inter.latency_s if proto == "ll" else (inter.simple_latency_s or inter.latency_s)
-        base = max(intra.base_latency_s, inter.base_latency_s if group.crosses_nodes else 0.0)
-        proto_bw = bw * share
-        if proto == "ll" and link.ll_max_bw_bytes_per_s:
-            proto_bw = min(proto_bw, link.ll_max_bw_bytes_per_s)
-        t = base + intra_steps * lat_intra + inter_steps * lat_inter + volume / proto_bw
-        best = min(best, t)
-    return best
+    base = max(intra.base_latency_s, inter.base_latency_s if group.crosses_nodes else 0.0)
+    return base + min(intra_steps * lat_intra + inter_steps * lat_inter + volume / min(bw * share, cap)
+                      for lat_intra, lat_inter, share, cap in _protocols(group, cluster))
 
 
 def all_reduce_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
-    """All-reduce of `nbytes` over the group: the cheapest of what NCCL may pick.
+    """All-reduce of `nbytes` over the group: the cheaper of NCCL's two algorithms (enqueue.cc getAlgoInfo
+    takes the one its model prices lowest; CollNet and NVLS need switch support and are not modelled).
 
     - ring: two passes, 2 (n - 1)/n * S / BW plus NCCL's latency (BW the ring bottleneck, _ring_bw);
-    - tree (NCCL's double binary tree across nodes): 2 log2(nodes) inter-node latencies + 2 S / BW_nic;
-      its bandwidth term never beats the ring's (tuning.cc converts tree bus bandwidth to algorithm
-      bandwidth at half), so it wins only for small (latency-bound) messages.
-    NCCL has no reduce-scatter / all-reduce / all-gather decomposition across nodes (its other
-    algorithms, CollNet and NVLS, need switch support), so none is modelled. Zero for a group of one."""
+    - tree across nodes (_tree_s): NCCL's double binary tree, log-depth latency, its own bandwidth.
+    Zero for a group of one."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
     bw, _ = _ring_bw(group, cluster, "allreduce_busbw_fraction")
-    best = _ring_steps_s(group, 2, nbytes, bw, cluster)
-    if group.crosses_nodes:
-        inter = cluster.inter_node
-        nic_bw = group.per_node * inter.bw_bytes_per_s * inter.allreduce_busbw_fraction
-        tree_lat = inter.simple_latency_s or inter.latency_s
-        best = min(best, cluster.intra_node.base_latency_s
-                   + 2 * math.ceil(math.log2(group.num_nodes)) * tree_lat + 2 * nbytes / nic_bw)
-    return best
+    ring = _ring_steps_s(group, 2, nbytes, bw, cluster)
+    return min(ring, _tree_s(group, nbytes, cluster)) if group.crosses_nodes else ring
+
+
+def _tree_s(group: GroupPlacement, nbytes: float, cluster: ClusterSpec) -> float:
+    """NCCL's tree all-reduce across nodes: a chain through the group's per_node GPUs in each node and a double
+    binary tree over the nodes, reduce then broadcast. Latency as NCCL's model (src/graph/tuning.cc
+    ncclTopoTuneModel, the same formula from v2.7.8 to v2.21.5): base + 2 ((per_node - 1) x intra hop +
+    log2i(nodes) x inter hop), hops at LinkSpec.tree_latency_s (tuning.cc hwLat[NVLINK|NET][TREE][LL128]: the
+    protocol NCCL's model picks for the tree at the sizes it wins). Bandwidth: each node sends and receives 2 S
+    through its NICs (interior in one tree, leaf in the other), at the measured tree bus bandwidth
+    (the ring's fraction x inter_node.tree_busbw_ratio beyond two nodes, where its sources measured it).
+    On exactly two nodes NCCL's model gives the tree about the ring's per-channel bandwidth (tuning.cc
+    perChMaxTreeBws[Ampere] 23.6 GB/s for 2 nodes, 17.8 for 4+) and its tree crosses the network with S, not 2 S
+    (NVIDIA/nccl issue 946); published 2-node nccl-tests on 8 A100 + 4 HDR NICs reach only ring-level bus
+    bandwidth (86-91 GB/s: NVIDIA/nccl-tests issues 100, 175), so two nodes keep the ring's fraction and 2 S."""
+    intra, inter = cluster.intra_node, cluster.inter_node
+    ratio = (inter.tree_busbw_ratio or 1.0) if group.num_nodes > 2 else 1.0
+    nic_bw = group.per_node * inter.bw_bytes_per_s * inter.allreduce_busbw_fraction * ratio
+    inter_hop = inter.tree_latency_s or inter.simple_latency_s or inter.latency_s
+    hops = (group.per_node - 1) * intra.tree_latency_s + int(math.log2(group.num_nodes)) * inter_hop
+    return max(intra.base_latency_s, inter.base_latency_s) + 2 * hops + 2 * nbytes / nic_bw
 
 
 def all_gather_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
