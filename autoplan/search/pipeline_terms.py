@@ -1,5 +1,5 @@
 """The quick estimate's pipeline communication over [candidates, pipeline ranks] arrays, from the exact model's
-own functions (cost.estimate._add_hop, tied_grad_reduce_s, step_tail_s): each cut's p2p and what the engine
+own functions (cost.p2p.add_hop, tied_grad_reduce_s, step_tail_s): each cut's p2p and what the engine
 does around it (Megatron's scatter/gather re-assembly, DeepSpeed's PartitionedTensor, blocking receives of an
 unbatched pipeline), and the tied head's gradient all-reduce between the first and the last stage.
 """
@@ -12,16 +12,16 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
-from autoplan.cost.estimate import (
+from autoplan.cost.estimate import tied_pair
+from autoplan.cost.kernels import memory_time_s
+from autoplan.cost.p2p import (
     PARTITION_RECV_BWD,
     PARTITION_RECV_FWD,
     PARTITION_SEND_BWD,
     PARTITION_SEND_FWD,
     partition_meta_bytes,
     partitioned_role_s,
-    tied_pair,
 )
-from autoplan.cost.kernels import memory_time_s
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig
 from autoplan.search.pricing import Mesh, config_of, price_rows
@@ -52,7 +52,7 @@ def _tp_gather(whole: np.ndarray, sizes: Mesh, cluster: ClusterSpec) -> np.ndarr
 
 def _recv_gather(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
                  engine: Engine) -> np.ndarray:
-    """cost.estimate.pp_recv_gather_s per candidate: the tp all-gather (and the copy out of a list gather)
+    """cost.p2p.pp_recv_gather_s per candidate: the tp all-gather (and the copy out of a list gather)
     that re-assembles each pipeline receive; one per hop on each side, as the p2p itself."""
     if not engine.pp_recv_all_gather:
         return np.zeros(len(out_bytes))
@@ -66,7 +66,7 @@ def _recv_gather(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: Clust
 def pipeline_hops(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
                   engine: Engine, pp: int) -> tuple[Any, Any]:
     """(each rank's per-microbatch pipeline communication in its slot [n, p], the part only the steady state
-    pays [n, p]), as cost.estimate._add_hop: each cut's p2p (with DeepSpeed's PartitionedTensor its meta
+    pays [n, p]), as cost.p2p.add_hop: each cut's p2p (with DeepSpeed's PartitionedTensor its meta
     tensor too) and re-assembly on both sides, and for an unbatched pipeline each receive again, steady only."""
     if pp == 1:
         return 0.0, 0.0

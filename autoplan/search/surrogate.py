@@ -344,7 +344,7 @@ def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
 
 def _cut_sides(placement: tuple[int, ...], pp: int) -> dict[str, np.ndarray]:
     """Per rank, the cuts between stages on different ranks where it sends the activation (and receives its
-    gradient) and where it receives it (estimate._add_hop's a and b sides)."""
+    gradient) and where it receives it (p2p.add_hop's a and b sides)."""
     sends, recvs = np.zeros(pp), np.zeros(pp)
     for a, b in itertools.pairwise(placement):
         if a != b:

@@ -104,7 +104,7 @@ def _simulate(programs: list[list[tuple]], f: float, b: float, t: float) -> floa
 
 
 def _charged(p: int, m: int, f: float, b: float, t: float, batched: bool) -> float:
-    """pipeline_time_s with _add_hop's charges for uniform stages: each cut's transfer on the sender's slot
+    """pipeline_time_s with p2p.add_hop's charges for uniform stages: each cut's transfer on the sender's slot
     (the activation in its forward, the gradient in the backward), and unbatched on each receiver's too."""
     sends = [(1 if r < p - 1 else 0) + (1 if r > 0 else 0) for r in range(p)]
     steady = [0.0] * p if batched else [k * t for k in sends]  # a rank receives as often as it sends
