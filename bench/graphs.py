@@ -19,13 +19,14 @@ from autoplan.graph.types import Layer, LayerGraph, LayerRole
 GPT_BLOCK_NODES, LLAMA_BLOCK_NODES, EMBED_NODES, HEAD_NODES = 20, 69, 8, 16
 
 
-def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int, b: int = 1, ffn: int | None = None) -> LayerGraph:
+def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int, b: int = 1, ffn: int | None = None,
+              tied: bool = True) -> LayerGraph:
     """Megatron GPT for microbatch b (Narayanan et al. 2021, appendix: 24 b s h^2 matmul + 4 b s^2 h
     attention FLOPs per block; 12 h^2 + 13 h parameters; Korthikanti et al. 2022: 34 s b h activation
     bytes without the scores). Embedding: (V + s) h parameters (word + learned positions). Head: the
     V x h projection (tied to the embedding, tied_embedding_params = V h: Megatron-LM's GPTModel shares
     word_embeddings_weight, Megatron-DeepSpeed's GPTModelPipe by TiedLayerSpec('embed'); the last pipeline
-    stage keeps its own copy) and Megatron's
+    stage keeps its own copy; tied False: --untie-embeddings-and-output-weights, a head of its own) and Megatron's
     vocab-parallel cross entropy in fp32: logits stored 2 + 4 bytes each, about 24 bytes of traffic per
     logit (fp16 write, max, subtract, exp, sum, divide passes)."""
     s, f = seq, ffn or 4 * h
@@ -40,7 +41,7 @@ def gpt_graph(*, h: int, a: int, layers: int, seq: int, vocab: int, b: int = 1, 
         "num_nodes": GPT_BLOCK_NODES,
     }
     return _graph(f"gpt-h{h}-l{layers}", block, h=h, layers=layers, s=s, b=b, vocab=vocab,
-                  embed_params=(vocab + s) * h, tied=vocab * h)
+                  embed_params=(vocab + s) * h, tied=vocab * h if tied else 0)
 
 
 def llama_graph(*, h: int, a: int, kv: int, ffn: int, layers: int, seq: int, vocab: int, b: int = 1) -> LayerGraph:

@@ -49,10 +49,30 @@ def megatron_flops(*, B: int, s: int, l: int, h: int, V: int) -> float:
     return 96.0 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h))
 
 
+def megatron_core_flops(*, B: int, s: int, l: int, h: int, V: int, a: int, ffn: int | None = None,
+                        kv_heads: int | None = None, swiglu: bool = False) -> float:
+    """FLOPs per iteration as Megatron-Core's TFLOP/s counts them (NVIDIA/Megatron-LM 937571cfd49d,
+    megatron/training/training.py num_floating_point_operations): 12 B s l h^2 ((1 + g/a + s/h) q/h + f/h x
+    (3/2 with --swiglu) + V / (2 l h)), q = kv_channels x a (h / a x a = h by default), g the query groups
+    (a without --group-query-attention), f --ffn-hidden-size (4h by default): forward + backward, full (not
+    causal) attention scores, no recompute; V is Megatron's padded vocabulary."""
+    g, f = kv_heads or a, ffn or 4 * h
+    attention = 1 + g / a + s / h
+    mlp = f / h * (1.5 if swiglu else 1.0)
+    return 12.0 * B * s * l * h * h * (attention + mlp + V / (2 * l * h))
+
+
+def padded_vocab(V: int, tp: int, divisible_by: int = 128) -> int:
+    """megatron/training/tokenizer/tokenizer.py _vocab_size_with_padding: V rounded up to a multiple of
+    --make-vocab-size-divisible-by (default 128) x TP."""
+    multiple = divisible_by * tp
+    return -(-V // multiple) * multiple
+
+
 def graph_of(model: dict) -> LayerGraph:
     if model["family"] == "gpt":
         return gpt_graph(h=model["hidden"], a=model["heads"], layers=model["layers"], seq=model["seq_len"],
-                         vocab=model["vocab"], ffn=model.get("ffn"))
+                         vocab=model["vocab"], ffn=model.get("ffn"), tied=model.get("tied_embeddings", True))
     return llama_graph(h=model["hidden"], a=model["heads"], kv=model["kv_heads"], ffn=model["ffn"],
                        layers=model["layers"], seq=model["seq_len"], vocab=model["vocab"])
 
@@ -96,6 +116,11 @@ def predict(rec: dict) -> Result:
         flops = megatron_flops(B=rec["global_batch"], s=model["seq_len"], l=model["layers"], h=model["hidden"],
                                V=model["vocab"])
         step = flops / (measured["tflops_per_gpu_with_recompute"] * 1e12 * cl["gpus"])
+    elif "tflops_per_gpu_megatron_core" in measured:
+        flops = megatron_core_flops(B=rec["global_batch"], s=model["seq_len"], l=model["layers"], h=model["hidden"],
+                                    V=padded_vocab(model["vocab"], config.tp), a=model["heads"], ffn=model.get("ffn"),
+                                    kv_heads=model.get("kv_heads"), swiglu=model["family"] == "llama")
+        step = flops / (measured["tflops_per_gpu_megatron_core"] * 1e12 * cl["gpus"])
     elif "tokens_per_s_per_gpu" in measured:
         step = rec["global_batch"] / cl["gpus"] * model["seq_len"] / measured["tokens_per_s_per_gpu"]
     else:  # MFU: the same model FLOPs over the measured step
