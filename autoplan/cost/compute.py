@@ -303,7 +303,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     elem_s = memory_time_s(device, elementwise_bytes)
     extra, fallback = block_pass_bytes(shape, tokens, config, seq_len, dtype_bytes, engine, scores_materialised)
     fwd = mm_s + attn_fwd + elem_s + memory_time_s(device, extra.fwd)
-    bwd = dx_s + dw_s + attn_bwd + 1.5 * elem_s + memory_time_s(device, extra.bwd)
+    bwd = (dx_s + dw_s + attn_bwd + 1.5 * elem_s + memory_time_s(device, extra.bwd)
+           + embedding_grad_add_s(layer, device, t, dtype_bytes, engine))
     attention_fwd = attn_fwd + memory_time_s(device, score_bytes + extra.attention_fwd)
     if layer.role is not LayerRole.BLOCK or recompute is Recompute.NONE:
         rec = 0.0
@@ -333,6 +334,22 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
                         host_bwd_s=ops_b * op + 2.0 * hook, host_rec_s=ops_r * op + (hook if ops_r else 0.0),
                         wgrad_column_s=wgrad_column, sync_fwd_s=sync, margin_fwd_s=margin[0],
                         margin_bwd_s=margin[1], fresh_grad_saving_s=fresh_s)
+
+
+def embedding_grad_add_s(layer: Layer, device: DeviceSpec, tp: int, dtype_bytes: int, engine: Engine) -> float:
+    """What an embedding's backward adds under engine.embedding_grad_add: its weight gradient is not fused
+    into the main_grad buffer by a GEMM (there is none) but materialised by autograd as a dense .grad of the
+    table's shape (torch.nn.functional.embedding, sparse=False), which the DDP's per-parameter hook then adds
+    into the fp32 main_grad: read the .grad (dtype_bytes) and read + write the accumulator (2 x
+    GRAD_ACCUMULATE_BYTES) per table element, every microbatch. Megatron-Core (NVIDIA/Megatron-LM
+    937571cfd49d, r0.8.0): megatron/core/tensor_parallel/layers.py VocabParallelEmbedding.forward
+    F.embedding(masked_input, self.weight) (a V / tp x h shard), megatron/core/distributed/
+    distributed_data_parallel.py _make_param_hook `param.main_grad.add_(param.grad.data)`. The table is the
+    layer's parameters over tp (learned positions, s x h, are replicated, not split: a few % of the
+    table). 0 for other layers and without the field."""
+    if layer.role is not LayerRole.EMBEDDING or not engine.embedding_grad_add:
+        return 0.0
+    return memory_time_s(device, layer.num_params / tp * (dtype_bytes + 2.0 * GRAD_ACCUMULATE_BYTES))
 
 
 def _expert_gemm(shape: BlockShape, config: ParallelConfig, tokens: float, split: int) -> tuple[float, float]:

@@ -46,6 +46,8 @@ class Engine:
     checkpoint_backward_ops: int = 0  # ... and in its backward (RNG state restore, detach, the re-entrant backward)
     block_forward_syncs: int = 0  # device-synchronising host-to-device copies in one block's forward (torch.tensor(x, device=cuda))
     main_grads_fp32: bool = False  # gradients accumulate in an fp32 buffer (Megatron main_grad): 4 B/param
+    grad_buffer_zeroed: bool = False  # a persistent gradient buffer is zeroed (one memset of the local gradients) at every step's start (Megatron-Core zero_grad_buffer); False: zero_grad(set_to_none), nothing written (cost/estimate.grad_zero_bytes)
+    embedding_grad_add: bool = False  # the embedding's dense weight gradient (autograd's .grad) is added into the fp32 main_grad by the DDP's per-parameter hook, every microbatch (cost/compute.embedding_grad_add_s)
     grad_freed_after_reduce: bool = True  # .grad is None when a backward starts (zero_grad(set_to_none) each step; FSDP2 frees it after each reduce-scatter): autograd adopts the weight-gradient GEMM's output, no accumulate pass (cost/compute.py)
     grad_reduce_fp32: bool = True  # bf16/fp8 training reduces gradients in fp32 (fp16 always in fp16)
     pipelined_fsdp_defers_sync: bool = True  # with pp > 1, FSDP gradient sync waits for the last microbatch
