@@ -64,6 +64,7 @@ class Engine:
     reduce_scatter_copy_in: bool = True  # FSDP2 copies the unsharded gradients into the reduce-scatter input (reduce dtype) before the compute stream goes on
     dp_grad_passes: int = 0  # read + write passes over the local gradients (reduce dtype) that a once-per-step all-reduce not overlapped with the backward makes on the compute stream (flatten, divide, copy back)
     dp_overlap_grad_passes: int = 0  # ... the same when the all-reduce overlaps the backward (dp_comm_overlap: bucket copy-in, copy back)
+    grad_buffer_passes: bool = False  # a contiguous gradient buffer zeroed every step and scaled by 1 / dp before its once-per-step collective, on the compute stream (Megatron-Core: cost/dataparallel.py grad_buffer_passes_s)
     pp_recv_all_gather: bool = False  # each pipeline receive (activation forward, gradient backward) is all-gathered over tp from the 1/tp chunks the tp ranks were sent (Megatron's scatter/gather); no SP
     pp_recv_gather_copy: bool = False  # ... into a list of chunk views (torch.distributed.all_gather), which copies each chunk out of NCCL's flat output
     pp_p2p_batched: bool = True  # a pipeline rank's send and receive of one slot go out together (batch_isend_irecv: torch.distributed.pipelining, Megatron); False: each is a blocking send or recv of its own in the schedule's order (DeepSpeed's PipelineEngine), so a rank's stream also waits out each transfer it receives (cost/estimate.py)
