@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
@@ -167,8 +170,9 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     if groups.dense.size <= 1 and groups.expert.size <= 1:
         # the DDP still makes its passes without peers (Megatron-LM's local DDP and DeepSpeed's
         # allreduce_gradients run at any group size: ddp_grad_passes_s's sources)
-        rank.dp_tail += ddp_grad_passes_s(sum(c.grad_param_count + c.expert_param_count for c in rank.costs),
-                                          cluster, layout, engine)
+        numel = sum(c.grad_param_count + c.expert_param_count for c in rank.costs)
+        rank.dp_tail += (ddp_grad_passes_s(numel, cluster, layout, engine)
+                         + grad_buffer_passes_s(numel, cluster, config, layout, engine))
         return
     w, _, _ = state_bytes_per_param(cluster.dtype, engine)
     wire = grad_wire_bytes(cluster.dtype, engine)
@@ -218,7 +222,8 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     rank.fwd += dp_f
     rank.bwd += dp_b
     if not layout.reduce_every_microbatch:
-        rank.dp_tail += copy_in + ddp_grad_passes_s(sum(dense) + sum(expert), cluster, layout, engine)
+        rank.dp_tail += (copy_in + ddp_grad_passes_s(sum(dense) + sum(expert), cluster, layout, engine)
+                         + grad_buffer_passes_s(sum(dense) + sum(expert), cluster, config, layout, engine))
         if engine.dp_comm_overlap:
             rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster, frac)
         else:
@@ -288,6 +293,25 @@ def ddp_grad_passes_s(numel: float, cluster: ClusterSpec, layout: ZeroLayout, en
     if layout.grad_reduction != "all_reduce" or layout.reduce_every_microbatch:
         return 0.0
     return memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * numel)
+
+
+def grad_buffer_passes_s(numel: float, cluster: ClusterSpec, config: ParallelConfig, layout: ZeroLayout,
+                         engine: Engine) -> float:
+    """Megatron-Core's passes over its contiguous gradient buffer (Engine.grad_buffer_passes; sources in
+    engines/megatron-core.yaml), once per step on the compute stream, memory-bound over the `numel` local
+    gradients in the buffer's dtype (grad_wire_bytes): zero_grad_buffer's fill (a write) and, when Megatron's
+    data-parallel size (autoplan's dp x ep) exceeds one, Bucket.start_grad_sync's scale by 1 / dp (a read and a
+    write; gradient_scaling_factor 1.0 skips it). Zero without the field or for a layout that reduces every
+    microbatch (Megatron-FSDP's own buffers)."""
+    if not engine.grad_buffer_passes or layout.reduce_every_microbatch:
+        return 0.0
+    return memory_time_s(cluster.device, grad_buffer_pass_bytes(cluster.dtype, engine, config.dp * config.ep) * numel)
+
+
+def grad_buffer_pass_bytes(dtype: str, engine: Engine, dp: Any) -> Any:
+    """Bytes per local gradient of grad_buffer_passes_s: the fill's write, plus a read and a write where the
+    data-parallel size `dp` (a scalar or an array of candidates) exceeds one."""
+    return grad_wire_bytes(dtype, engine) * (1.0 + 2.0 * (np.asarray(dp) > 1))
 
 
 def ddp_grad_pass_bytes(dtype: str, engine: Engine) -> float:

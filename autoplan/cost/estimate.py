@@ -84,20 +84,6 @@ def adam_bytes_per_param(dtype: str, engine: Engine) -> float:
     return total
 
 
-def grad_zero_bytes(dtype: str, engine: Engine) -> float:
-    """Bytes written per local gradient element when each step starts by zeroing the persistent gradient
-    buffer (engine.grad_buffer_zeroed): one memset-like write in the buffer's dtype (the fp32 main_grad
-    under engine.main_grads_fp32, memory.state_bytes_per_param). Megatron-Core (NVIDIA/Megatron-LM
-    937571cfd49d, r0.8.0) megatron/training/training.py train_step calls model_chunk.zero_grad_buffer()
-    before the forward; distributed_data_parallel.py zero_grad_buffer -> param_and_grad_buffer.py
-    ParamAndGradBuffer.reset: `self.grad_data.zero_()` over the whole contiguous buffer of the rank's
-    parameters (not sharded by the distributed optimizer: it reduce-scatters views of it). 0 without the
-    field (torch optimizer.zero_grad(set_to_none=True) frees the gradients, writing nothing)."""
-    if not engine.grad_buffer_zeroed:
-        return 0.0
-    return state_bytes_per_param(dtype, engine)[1]
-
-
 def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, *, global_batch: int,
                     stages: tuple[tuple[str, ...], ...] | None = None,
                     layer_recompute: Mapping[str, Recompute] | None = None,
@@ -255,15 +241,11 @@ def _layer_costs(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig
 
 def _optimizer_s(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layout, engine: Engine) -> float:
     """Adam over the local shard (params / d when the optimizer states are sharded), memory-bound:
-    adam_bytes_per_param per parameter at the device's streaming bandwidth; plus the step's zeroing of
-    the local gradient buffer (grad_zero_bytes per gradient element, / d when the gradients are sharded)."""
-    def local(sharded: bool) -> float:
-        dense = config.dp * config.ep * config.cp if sharded else 1
-        expert = config.expert_dp if sharded else 1  # dp * cp unfolded
-        return rank.dense_params / dense + rank.expert_params / expert
-    written = (local(layout.shards_optimizer) * adam_bytes_per_param(cluster.dtype, engine)
-               + local(layout.shards_gradients) * grad_zero_bytes(cluster.dtype, engine))
-    return memory_time_s(cluster.device, written)
+    adam_bytes_per_param per parameter at the device's streaming bandwidth."""
+    groups_dense = config.dp * config.ep * config.cp if layout.shards_optimizer else 1
+    groups_expert = config.expert_dp if layout.shards_optimizer else 1  # dp * cp unfolded
+    local = rank.dense_params / groups_dense + rank.expert_params / groups_expert
+    return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
 
 
 def _reduce_floor(ranks: list[Rank], config: ParallelConfig, m: int) -> float:

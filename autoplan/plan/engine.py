@@ -46,7 +46,6 @@ class Engine:
     checkpoint_backward_ops: int = 0  # ... and in its backward (RNG state restore, detach, the re-entrant backward)
     block_forward_syncs: int = 0  # device-synchronising host-to-device copies in one block's forward (torch.tensor(x, device=cuda))
     main_grads_fp32: bool = False  # gradients accumulate in an fp32 buffer (Megatron main_grad): 4 B/param
-    grad_buffer_zeroed: bool = False  # a persistent gradient buffer is zeroed (one memset of the local gradients) at every step's start (Megatron-Core zero_grad_buffer); False: zero_grad(set_to_none), nothing written (cost/estimate.grad_zero_bytes)
     embedding_grad_add: bool = False  # the embedding's dense weight gradient (autograd's .grad) is added into the fp32 main_grad by the DDP's per-parameter hook, every microbatch (cost/compute.embedding_grad_add_s)
     grad_freed_after_reduce: bool = True  # .grad is None when a backward starts (zero_grad(set_to_none) each step; FSDP2 frees it after each reduce-scatter): autograd adopts the weight-gradient GEMM's output, no accumulate pass (cost/compute.py)
     grad_reduce_fp32: bool = True  # bf16/fp8 training reduces gradients in fp32 (fp16 always in fp16)
@@ -66,6 +65,7 @@ class Engine:
     reduce_scatter_copy_in: bool = True  # FSDP2 copies the unsharded gradients into the reduce-scatter input (reduce dtype) before the compute stream goes on
     dp_grad_passes: int = 0  # read + write passes over the local gradients (reduce dtype) that a once-per-step all-reduce not overlapped with the backward makes on the compute stream (flatten, divide, copy back)
     dp_overlap_grad_passes: int = 0  # ... the same when the all-reduce overlaps the backward (dp_comm_overlap: bucket copy-in, copy back)
+    grad_buffer_passes: bool = False  # a contiguous gradient buffer zeroed every step and scaled by 1 / dp before its once-per-step collective, on the compute stream (Megatron-Core: cost/dataparallel.py grad_buffer_passes_s)
     pp_recv_all_gather: bool = False  # each pipeline receive (activation forward, gradient backward) is all-gathered over tp from the 1/tp chunks the tp ranks were sent (Megatron's scatter/gather); no SP
     pp_recv_gather_copy: bool = False  # ... into a list of chunk views (torch.distributed.all_gather), which copies each chunk out of NCCL's flat output
     pp_p2p_batched: bool = True  # a pipeline rank's send and receive of one slot go out together (batch_isend_irecv: torch.distributed.pipelining, Megatron); False: each is a blocking send or recv of its own in the schedule's order (DeepSpeed's PipelineEngine), so a rank's stream also waits out each transfer it receives (cost/estimate.py)

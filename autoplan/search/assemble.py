@@ -17,8 +17,8 @@ import numpy as np
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
-from autoplan.cost.dataparallel import ddp_grad_pass_bytes, grad_wire_bytes
-from autoplan.cost.estimate import adam_bytes_per_param, fresh_grad_share, grad_zero_bytes
+from autoplan.cost.dataparallel import ddp_grad_pass_bytes, grad_buffer_pass_bytes, grad_wire_bytes
+from autoplan.cost.estimate import adam_bytes_per_param, fresh_grad_share
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import dtype_bytes
@@ -173,6 +173,10 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     # dataparallel.ddp_grad_passes_s: the DDP's flatten / divide / copy-back passes around a per-step all-reduce
     ddp = np.where(lay["reduce_scatter"][:, None] == 0,  # at any group size, as the exact model
                    memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * (dense + expert)), 0.0)
+    if engine.grad_buffer_passes:  # dataparallel.grad_buffer_passes_s: the zero fill and the 1 / dp scale
+        per = grad_buffer_pass_bytes(cluster.dtype, engine, (c["dp"] * c["ep"])[:, None])
+        ddp = ddp + np.where(lay["reduce_every_microbatch"][:, None] == 0,
+                             memory_time_s(cluster.device, per * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
     z3_fwd = np.where(gmb >= 2, exposed(fwd, gather, None, layers, engine.param_gather_overlap, True, frac)
@@ -334,15 +338,11 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
 
 
 def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
-    """estimate._optimizer_s: Adam over the local shard at streaming bandwidth, plus the gradient
-    buffer's zeroing (estimate.grad_zero_bytes) over the local gradients; the slowest pipeline rank."""
-    def local(field: str) -> np.ndarray:
-        dense_n = np.where(lay[field] > 0, c["dp"] * c["ep"] * c["cp"], 1)[:, None]
-        expert_n = np.where(lay[field] > 0, expert_dp_degree(c), 1)[:, None]
-        return f["dense_params"] / dense_n + f["expert_params"] / expert_n
-    written = (local("shards_optimizer") * adam_bytes_per_param(cluster.dtype, engine)
-               + local("shards_gradients") * grad_zero_bytes(cluster.dtype, engine))
-    return memory_time_s(cluster.device, written.max(axis=1))
+    """estimate._optimizer_s: Adam over the local shard at streaming bandwidth."""
+    dense_n = np.where(lay["shards_optimizer"] > 0, c["dp"] * c["ep"] * c["cp"], 1)[:, None]
+    expert_n = np.where(lay["shards_optimizer"] > 0, expert_dp_degree(c), 1)[:, None]
+    local = (f["dense_params"] / dense_n + f["expert_params"] / expert_n).max(axis=1)
+    return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
 
 
 def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
