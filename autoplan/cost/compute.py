@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from autoplan.cluster.types import DeviceSpec
 from autoplan.cost.kernels import (
+    FUSED_DROPOUT_SLOWDOWN,
     flash_efficiency,
     gemm_pass_s,
     matmul_efficiency,
@@ -184,13 +185,15 @@ def _block_gemm_groups(shape: BlockShape, tokens: float, total_mm: float, expert
 
 def _attention_s(layer: Layer, shape: BlockShape | None, device: DeviceSpec, peak_flops: float,
                  config: ParallelConfig, *, scale: float, seq_len: int, dtype_bytes: int,
-                 scores_materialised: bool, nonmatmul_ratio: float) -> tuple[float, float]:
+                 scores_materialised: bool, nonmatmul_ratio: float, dropout: bool = False) -> tuple[float, float]:
     """(forward, backward) of the attention core on this device (kernels.py): Megatron's unfused
-    batched GEMMs when the scores are materialised; else FlashAttention at its shape-dependent rate on
-    the captured FLOPs (half the square when causal, FUSED_CAUSAL_FRACTION), the backward
-    FA_BACKWARD_FLOPS times the forward (Dao 2023 counts the backward, recomputation of S included, as
-    2.5 x the forward's FLOPs, and quotes efficiencies on that count). Layers without a block shape:
-    attention FLOPs at attention_efficiency, backward 2 x forward."""
+    batched GEMMs when the scores are materialised (their dropout is elementwise traffic,
+    block_elementwise_bytes); else FlashAttention at its shape-dependent rate on the captured FLOPs (half
+    the square when causal, FUSED_CAUSAL_FRACTION), the backward FA_BACKWARD_FLOPS times the forward (Dao
+    2023 counts the backward, recomputation of S included, as 2.5 x the forward's FLOPs, and quotes
+    efficiencies on that count), both FUSED_DROPOUT_SLOWDOWN slower when `dropout` (the engine's
+    attention_dropout on a block with dropout: Philox and masking inside the kernel). Layers without a
+    block shape: attention FLOPs at attention_efficiency, backward 2 x forward."""
     attn_flops = layer.fwd_attention_flops * scale / config.tp
     if attn_flops <= 0:
         return 0.0, 0.0
@@ -208,6 +211,7 @@ def _attention_s(layer: Layer, shape: BlockShape | None, device: DeviceSpec, pea
     eff = flash_efficiency(device, batch_heads=batch_heads, s_q=s_q, s_k=seq_len, head_dim=d, causal=causal,
                            nonmatmul_ratio=nonmatmul_ratio)
     fwd = attn_flops * (FUSED_CAUSAL_FRACTION if causal else 1.0) / (peak_flops * eff)
+    fwd *= FUSED_DROPOUT_SLOWDOWN if dropout else 1.0
     return fwd, FA_BACKWARD_FLOPS * fwd
 
 
@@ -299,7 +303,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
             expert_div=expert_div, rmsnorm=engine.rmsnorm)
     attn_fwd, attn_bwd = _attention_s(layer, shape, device, peak_flops, config, scale=scale, seq_len=seq_len,
                                       dtype_bytes=dtype_bytes, scores_materialised=scores_materialised,
-                                      nonmatmul_ratio=nonmatmul_ratio)
+                                      nonmatmul_ratio=nonmatmul_ratio,
+                                      dropout=shape is not None and shape.dropout and engine.attention_dropout > 0)
     elem_s = memory_time_s(device, elementwise_bytes)
     extra, fallback = block_pass_bytes(shape, tokens, config, seq_len, dtype_bytes, engine, scores_materialised)
     fwd = mm_s + attn_fwd + elem_s + memory_time_s(device, extra.fwd)
