@@ -161,6 +161,20 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
     return total + scores, scores
 
 
+def score_backward_bytes(shape: BlockShape | None, score_bytes: float, dtype_bytes: int) -> float:
+    """Backward memory traffic of the materialised scores whose forward moved `score_bytes`
+    (block_elementwise_bytes' score part): the fused softmax's backward reads the gradient and the saved
+    probabilities and writes the gradient in place (3 d per score for the forward's 2 d: Megatron
+    fused_kernels/scaled_upper_triang_masked_softmax_cuda.cu bwd_cuda, a8d172b3); with dropout first
+    torch.nn.Dropout's backward (aten native_dropout_backward: grad * mask * scale) reads the gradient and
+    the 1-byte mask and writes one, 2 d + 1 for the forward's 2 d + 1 (read, write, mask): 5 d + 1 per
+    score in all, not 1.5 x the forward's 4 d + 1, since the dropout's backward reads no saved input."""
+    if shape is None or not shape.dropout:
+        return 1.5 * score_bytes
+    d = float(dtype_bytes)
+    return score_bytes * (5.0 * d + 1.0) / (4.0 * d + 1.0)
+
+
 def _block_gemm_groups(shape: BlockShape, tokens: float, total_mm: float, expert_mm: float,
                        config: ParallelConfig, expert_div: int | None = None) -> list[tuple[float, float, float, float]]:
     """(m, k, n, count) of each weight matmul of a block on this device, tp-split (Megatron column / row
@@ -246,7 +260,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     the GEMM's output (written once, dtype_bytes per element: fresh_grad_saving_s). Non-block layers run
     their matmul total as one matmul. Attention: _attention_s. Elementwise: block_elementwise_bytes at
     streaming bandwidth, backward 1.5 x forward (it reads the output gradient and the saved input and
-    writes one gradient: 3 accesses for the forward's 2), plus the engine's own extra passes
+    writes one gradient: 3 accesses for the forward's 2; the materialised scores as score_backward_bytes
+    says), plus the engine's own extra passes
     (passes.extra_pass_bytes: separate bias adds, bias-gradient reductions, attention layout copies),
     each in the phase it runs in. Recompute: full re-runs the block's forward;
     selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5), or
@@ -308,7 +323,9 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     elem_s = memory_time_s(device, elementwise_bytes)
     extra, fallback = block_pass_bytes(shape, tokens, config, seq_len, dtype_bytes, engine, scores_materialised)
     fwd = mm_s + attn_fwd + elem_s + memory_time_s(device, extra.fwd)
-    bwd = (dx_s + dw_s + attn_bwd + 1.5 * elem_s + memory_time_s(device, extra.bwd)
+    elem_bwd_s = memory_time_s(device, 1.5 * (elementwise_bytes - score_bytes)
+                               + score_backward_bytes(shape, score_bytes, dtype_bytes))
+    bwd = (dx_s + dw_s + attn_bwd + elem_bwd_s + memory_time_s(device, extra.bwd)
            + embedding_grad_add_s(layer, device, t, dtype_bytes, engine))
     attention_fwd = attn_fwd + memory_time_s(device, score_bytes + extra.attention_fwd)
     if layer.role is not LayerRole.BLOCK or recompute is Recompute.NONE:
