@@ -62,6 +62,10 @@ def _value(key: str, value: Any, path: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{path}: field {key!r} must be a non-negative integer, got {value!r}")
         return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+            raise ValueError(f"{path}: field {key!r} must be a probability in [0, 1), got {value!r}")
+        return float(value)
     value = str(value)
     if key in _CHOICES and value not in _CHOICES[key]:
         raise ValueError(f"{path}: field {key!r} must be one of {', '.join(map(repr, _CHOICES[key]))}, got "

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from autoplan.cluster.types import DeviceSpec
 from autoplan.cost.kernels import (
+    FUSED_DROPOUT_SLOWDOWN,
     flash_efficiency,
     gemm_pass_s,
     matmul_efficiency,
@@ -160,6 +161,20 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
     return total + scores, scores
 
 
+def score_backward_bytes(shape: BlockShape | None, score_bytes: float, dtype_bytes: int) -> float:
+    """Backward memory traffic of the materialised scores whose forward moved `score_bytes`
+    (block_elementwise_bytes' score part): the fused softmax's backward reads the gradient and the saved
+    probabilities and writes the gradient in place (3 d per score for the forward's 2 d: Megatron
+    fused_kernels/scaled_upper_triang_masked_softmax_cuda.cu bwd_cuda, a8d172b3); with dropout first
+    torch.nn.Dropout's backward (aten native_dropout_backward: grad * mask * scale) reads the gradient and
+    the 1-byte mask and writes one, 2 d + 1 for the forward's 2 d + 1 (read, write, mask): 5 d + 1 per
+    score in all, not 1.5 x the forward's 4 d + 1, since the dropout's backward reads no saved input."""
+    if shape is None or not shape.dropout:
+        return 1.5 * score_bytes
+    d = float(dtype_bytes)
+    return score_bytes * (5.0 * d + 1.0) / (4.0 * d + 1.0)
+
+
 def _block_gemm_groups(shape: BlockShape, tokens: float, total_mm: float, expert_mm: float,
                        config: ParallelConfig, expert_div: int | None = None) -> list[tuple[float, float, float, float]]:
     """(m, k, n, count) of each weight matmul of a block on this device, tp-split (Megatron column / row
@@ -184,13 +199,15 @@ def _block_gemm_groups(shape: BlockShape, tokens: float, total_mm: float, expert
 
 def _attention_s(layer: Layer, shape: BlockShape | None, device: DeviceSpec, peak_flops: float,
                  config: ParallelConfig, *, scale: float, seq_len: int, dtype_bytes: int,
-                 scores_materialised: bool, nonmatmul_ratio: float) -> tuple[float, float]:
+                 scores_materialised: bool, nonmatmul_ratio: float, dropout: bool = False) -> tuple[float, float]:
     """(forward, backward) of the attention core on this device (kernels.py): Megatron's unfused
-    batched GEMMs when the scores are materialised; else FlashAttention at its shape-dependent rate on
-    the captured FLOPs (half the square when causal, FUSED_CAUSAL_FRACTION), the backward
-    FA_BACKWARD_FLOPS times the forward (Dao 2023 counts the backward, recomputation of S included, as
-    2.5 x the forward's FLOPs, and quotes efficiencies on that count). Layers without a block shape:
-    attention FLOPs at attention_efficiency, backward 2 x forward."""
+    batched GEMMs when the scores are materialised (their dropout is elementwise traffic,
+    block_elementwise_bytes); else FlashAttention at its shape-dependent rate on the captured FLOPs (half
+    the square when causal, FUSED_CAUSAL_FRACTION), the backward FA_BACKWARD_FLOPS times the forward (Dao
+    2023 counts the backward, recomputation of S included, as 2.5 x the forward's FLOPs, and quotes
+    efficiencies on that count), both FUSED_DROPOUT_SLOWDOWN slower when `dropout` (the engine's
+    attention_dropout on a block with dropout: Philox and masking inside the kernel). Layers without a
+    block shape: attention FLOPs at attention_efficiency, backward 2 x forward."""
     attn_flops = layer.fwd_attention_flops * scale / config.tp
     if attn_flops <= 0:
         return 0.0, 0.0
@@ -208,6 +225,7 @@ def _attention_s(layer: Layer, shape: BlockShape | None, device: DeviceSpec, pea
     eff = flash_efficiency(device, batch_heads=batch_heads, s_q=s_q, s_k=seq_len, head_dim=d, causal=causal,
                            nonmatmul_ratio=nonmatmul_ratio)
     fwd = attn_flops * (FUSED_CAUSAL_FRACTION if causal else 1.0) / (peak_flops * eff)
+    fwd *= FUSED_DROPOUT_SLOWDOWN if dropout else 1.0
     return fwd, FA_BACKWARD_FLOPS * fwd
 
 
@@ -242,7 +260,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     the GEMM's output (written once, dtype_bytes per element: fresh_grad_saving_s). Non-block layers run
     their matmul total as one matmul. Attention: _attention_s. Elementwise: block_elementwise_bytes at
     streaming bandwidth, backward 1.5 x forward (it reads the output gradient and the saved input and
-    writes one gradient: 3 accesses for the forward's 2), plus the engine's own extra passes
+    writes one gradient: 3 accesses for the forward's 2; the materialised scores as score_backward_bytes
+    says), plus the engine's own extra passes
     (passes.extra_pass_bytes: separate bias adds, bias-gradient reductions, attention layout copies),
     each in the phase it runs in. Recompute: full re-runs the block's forward;
     selective re-runs the attention core and its score kernels (Korthikanti et al. 2022, section 5), or
@@ -299,11 +318,14 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
             expert_div=expert_div, rmsnorm=engine.rmsnorm)
     attn_fwd, attn_bwd = _attention_s(layer, shape, device, peak_flops, config, scale=scale, seq_len=seq_len,
                                       dtype_bytes=dtype_bytes, scores_materialised=scores_materialised,
-                                      nonmatmul_ratio=nonmatmul_ratio)
+                                      nonmatmul_ratio=nonmatmul_ratio,
+                                      dropout=shape is not None and shape.dropout and engine.attention_dropout > 0)
     elem_s = memory_time_s(device, elementwise_bytes)
     extra, fallback = block_pass_bytes(shape, tokens, config, seq_len, dtype_bytes, engine, scores_materialised)
     fwd = mm_s + attn_fwd + elem_s + memory_time_s(device, extra.fwd)
-    bwd = (dx_s + dw_s + attn_bwd + 1.5 * elem_s + memory_time_s(device, extra.bwd)
+    elem_bwd_s = memory_time_s(device, 1.5 * (elementwise_bytes - score_bytes)
+                               + score_backward_bytes(shape, score_bytes, dtype_bytes))
+    bwd = (dx_s + dw_s + attn_bwd + elem_bwd_s + memory_time_s(device, extra.bwd)
            + embedding_grad_add_s(layer, device, t, dtype_bytes, engine))
     attention_fwd = attn_fwd + memory_time_s(device, score_bytes + extra.attention_fwd)
     if layer.role is not LayerRole.BLOCK or recompute is Recompute.NONE:

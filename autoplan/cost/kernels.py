@@ -32,6 +32,19 @@ FA_MATMUL_FLOPS_PER_D = 14.0
 FA_NONMATMUL_OPS = 9.0
 FA_REFERENCE_HEAD_DIM = 128
 
+# Attention dropout inside a fused kernel (Engine.attention_dropout > 0 on a block with dropout): the
+# forward draws a Philox random number per score and masks P in registers, the backward regenerates the
+# same mask from the saved seed and offset (no s x s mask in memory; FlashAttention-2 csrc/flash_attn/src/
+# dropout.h, cuDNN's SDPA dropout node, TE fused_attn_f16_arbitrary_seqlen.cu). Its time, measured on the
+# kernel TE runs on Hopper (cuDNN: TE 1.7 and 1.8 pytorch/attention.py DotProductAttention prefer it over
+# FlashAttention on sm90, dropout or not): forward + backward of one DotProductAttention, bf16, sbhd,
+# 4 x 1024 tokens, 16 heads, head dim 128, fused backend forced, median of 50, H200: 0.594 ms at p = 0.0,
+# 0.614 ms at p = 0.1, x 1.034 (NVIDIA/TransformerEngine issue #3312, 2026-08, TE 2.15). FlashAttention-2
+# (the sm80 kernel) measured x 1.047 in the same setting on GB200 (0.695 -> 0.728 ms, thd; TE PR #3313).
+# No public A100 / H100 figure of either at 2024 versions was found; the cost does not depend on p (one
+# random number per score whatever p is).
+FUSED_DROPOUT_SLOWDOWN = 1.034
+
 
 def memory_time_s(device: DeviceSpec, nbytes: Any) -> Any:
     """Memory-bound kernel: bytes / (HBM bandwidth * mem_bw_efficiency) (numbers or numpy arrays)."""

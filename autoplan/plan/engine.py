@@ -75,6 +75,7 @@ class Engine:
     separate_qkv_projections: bool = True  # Q, K and V from three linears (wq, wk, wv), not one fused QKV GEMM (cost/projections.py)
     recompute_early_stop: bool = True  # full recompute through torch's non-reentrant checkpoint, which stops after the last saved tensor: the MLP output GEMM is not re-run (cost/projections.py)
     fused_softmax_max_keys: int = 0  # Megatron's fused scale-mask-softmax runs only under its shape rules (cost/passes.py), else a torch fallback in fp32; 0: no such rules
+    attention_dropout: float = 0.0  # dropout probability the engine trains with on the attention probabilities (0: none; a block without dropout, BlockShape.dropout, never has it); a fused kernel pays kernels.FUSED_DROPOUT_SLOWDOWN for it
     # what autograd keeps for the backward (cost/memory.block_activation_bytes)
     sp_saves_gathered_input: bool = True  # with SP, the column-parallel linears keep their all-gathered input (DTensor), not the local shard
     attention_saves_repeated_kv: bool = True  # grouped-query K / V are repeated to the query heads before the attention kernel, which keeps them
@@ -104,6 +105,8 @@ class Engine:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"engine field {name!r} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+        if not 0.0 <= self.attention_dropout < 1.0:
+            raise ValueError(f"engine field 'attention_dropout' must be a probability in [0, 1), got {self.attention_dropout!r}")
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
