@@ -39,6 +39,8 @@ _FRACTIONS = frozenset(
         "alltoall_bw_fraction",
         "p2p_bw_fraction",
         "tree_busbw_ratio",
+        "eager_norm_fwd_bw_efficiency",
+        "eager_norm_bwd_bw_efficiency",
     }
 )
 _INTEGERS = frozenset({"mem_bytes", "runtime_reserve_bytes", "num_sms", "nccl_sms", "compute_capability"})

@@ -63,6 +63,11 @@ class DeviceSpec:
     # kernels that load each tile's operands only once it starts (CUTLASS 2.x multistage prologue): one
     # global-memory round trip per wave of tiles (cost/kernels.gemm_pass_s). 0: hidden or not modelled
     gemm_tile_fill_s: float = 0.0
+    # fraction of mem_bw PyTorch's eager fp32-upcast RMSNorm reaches as a whole (x.float(), pow, mean, * rsqrt,
+    # the cast back, * weight: reduction, broadcast and dtype-casting kernels), forward and backward, on the
+    # bytes its kernels move (Engine.rmsnorm 'eager_fp32'; cost/kernels.eager_norm_time_s). 0: mem_bw_efficiency
+    eager_norm_fwd_bw_efficiency: float = 0.0
+    eager_norm_bwd_bw_efficiency: float = 0.0
 
     def peak(self, dtype: str = "bf16") -> float:
         table = dict(self.peak_flops)

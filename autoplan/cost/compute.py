@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from autoplan.cluster.types import DeviceSpec
 from autoplan.cost.kernels import (
     FUSED_DROPOUT_SLOWDOWN,
+    eager_norm_time_s,
     flash_efficiency,
     gemm_pass_s,
     matmul_efficiency,
@@ -138,10 +139,10 @@ def block_elementwise_bytes(shape: BlockShape, tokens: float, seq_len: int, conf
     `fused` False (eager kernels): a SwiGLU block's norms (RMSNorm), its SwiGLU and its RoPE move
     EAGER_RMSNORM_TRAFFIC, EAGER_SWIGLU_TRAFFIC and EAGER_ROPE_TRAFFIC times their fused traffic; the
     norms only when `rmsnorm` (Engine.rmsnorm) is 'eager': a 'fused' RMSNorm moves the fused traffic, and
-    an 'eager_fp32' one the fused traffic here plus its own passes (passes.extra_pass_bytes)."""
+    an 'eager_fp32' one none here: passes.extra_pass_bytes counts its kernels whole (PassBytes.norm_fwd)."""
     t = config.tp
     h_split = t if config.sp else 1
-    rms = 1.0 if fused or shape.n_mlp != 3 or rmsnorm != "eager" else EAGER_RMSNORM_TRAFFIC
+    rms = 1.0 if fused or shape.n_mlp != 3 else {"eager": EAGER_RMSNORM_TRAFFIC, "eager_fp32": 0.0}.get(rmsnorm, 1.0)
     act = 1.0 if fused or shape.n_mlp != 3 else EAGER_SWIGLU_TRAFFIC
     norms, residual = 4.0 * shape.h * rms, 6.0 * shape.h
     elements = (norms + residual) / h_split + act * shape.dense_mlps * shape.n_mlp * shape.f / t
@@ -322,10 +323,12 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
                                       dropout=shape is not None and shape.dropout and engine.attention_dropout > 0)
     elem_s = memory_time_s(device, elementwise_bytes)
     extra, fallback = block_pass_bytes(shape, tokens, config, seq_len, dtype_bytes, engine, scores_materialised)
-    fwd = mm_s + attn_fwd + elem_s + memory_time_s(device, extra.fwd)
+    norm_f = eager_norm_time_s(device, extra.norm_fwd, backward=False)
+    fwd = mm_s + attn_fwd + elem_s + memory_time_s(device, extra.fwd) + norm_f
     elem_bwd_s = memory_time_s(device, 1.5 * (elementwise_bytes - score_bytes)
                                + score_backward_bytes(shape, score_bytes, dtype_bytes))
     bwd = (dx_s + dw_s + attn_bwd + elem_bwd_s + memory_time_s(device, extra.bwd)
+           + eager_norm_time_s(device, extra.norm_bwd, backward=True)
            + embedding_grad_add_s(layer, device, t, dtype_bytes, engine))
     attention_fwd = attn_fwd + memory_time_s(device, score_bytes + extra.attention_fwd)
     if layer.role is not LayerRole.BLOCK or recompute is Recompute.NONE:
@@ -336,7 +339,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
                                        dtype_bytes) if early else 0.0)
     elif engine.selective_recompute == "op" and shape is not None:  # every memory-bound op runs again
         rec = (op_selective_recompute_s(device, peak_flops, groups, shape, dtype_bytes,
-                                        engine.separate_qkv_projections) + elem_s + memory_time_s(device, extra.fwd))
+                                        engine.separate_qkv_projections) + elem_s + memory_time_s(device, extra.fwd)
+               + norm_f)
     else:
         rec = attention_fwd
     ops_f, ops_b = host_ops(layer, engine)

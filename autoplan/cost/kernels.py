@@ -52,6 +52,17 @@ def memory_time_s(device: DeviceSpec, nbytes: Any) -> Any:
     return (nbytes if not isinstance(nbytes, (int, float)) else max(nbytes, 0.0)) / rate
 
 
+def eager_norm_time_s(device: DeviceSpec, nbytes: float, *, backward: bool) -> float:
+    """An eager fp32-upcast RMSNorm's kernels (passes.fp32_rmsnorm_bytes), forward or backward: bytes / (HBM
+    bandwidth x the profile's eager_norm_fwd_bw_efficiency or eager_norm_bwd_bw_efficiency, what that op
+    sequence reaches as a whole: its broadcast multiplies, dtype casts and row reduction run below a
+    streaming kernel's rate); memory_time_s where the profile gives none (0)."""
+    eff = device.eager_norm_bwd_bw_efficiency if backward else device.eager_norm_fwd_bw_efficiency
+    if eff <= 0:
+        return memory_time_s(device, nbytes)
+    return max(nbytes, 0.0) / (device.mem_bw_bytes_per_s * eff)
+
+
 def _waves_utilisation(blocks: float, sms: int) -> float:
     """Fraction of SM time busy when `blocks` equal blocks run in waves of `sms` (wave quantization)."""
     waves = math.ceil(blocks / sms)

@@ -14,6 +14,7 @@ tokens of the row-parallel outputs and the residual stream on this device). Only
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,6 +56,10 @@ class PassBytes:
     fwd: float = 0.0
     bwd: float = 0.0
     attention_fwd: float = 0.0
+    # an eager fp32 RMSNorm's whole traffic, forward and backward (not in fwd / bwd): priced at the profile's
+    # eager-norm rates (kernels.eager_norm_time_s)
+    norm_fwd: float = 0.0
+    norm_bwd: float = 0.0
 
 
 def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool, dtype_bytes: int, engine: Engine) -> PassBytes:
@@ -77,15 +82,15 @@ def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool,
     - separate_qkv_projections (backward): x feeds three linears (wq, wk, wv), so autograd sums their
       three input gradients (torch/csrc/autograd/input_buffer.cpp InputBuffer::add: one add per extra
       gradient), two adds of [T, h] each reading two and writing one: 2 x 3 T h d;
-    - rmsnorm 'eager_fp32' (a Llama-style block, without fused_elementwise): both norms' passes
-      (fp32_rmsnorm_bytes) beyond the fused kernel that block_elementwise_bytes already counts (read and
-      write forward, 2 d; read x and the gradient, write one, 3 d), on 2 T_h h elements."""
+    - rmsnorm 'eager_fp32' (a Llama-style block, without fused_elementwise): both norms' kernels
+      (fp32_rmsnorm_bytes) on 2 T_h h elements, whole, in norm_fwd / norm_bwd (compute.block_elementwise_bytes
+      then counts no norm traffic of its own)."""
     if shape is None:
         return PassBytes()
     d, q_t, h_t = float(dtype_bytes), shape.qkv_out_width / tp, shape.h / tp
     t_h = tokens / tp if sp else tokens
     m = float(shape.dense_mlps)
-    fwd = bwd = attention = 0.0
+    fwd = bwd = attention = norm_fwd = norm_bwd = 0.0
     if shape.biased and engine.separate_qkv_bias_add:
         fwd += 2.0 * tokens * q_t * d
     if shape.biased and engine.separate_fc2_bias_add:
@@ -104,9 +109,8 @@ def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool,
         bwd += 2.0 * 3.0 * tokens * shape.h * d
     if shape.n_mlp == 3 and not engine.fused_elementwise and engine.rmsnorm == "eager_fp32":
         norm_f, norm_b = fp32_rmsnorm_bytes(d)
-        fwd += 2.0 * t_h * shape.h * (norm_f - 2.0 * d)
-        bwd += 2.0 * t_h * shape.h * (norm_b - 3.0 * d)
-    return PassBytes(fwd=fwd + attention, bwd=bwd, attention_fwd=attention)
+        norm_fwd, norm_bwd = 2.0 * t_h * shape.h * norm_f, 2.0 * t_h * shape.h * norm_b
+    return PassBytes(fwd=fwd + attention, bwd=bwd, attention_fwd=attention, norm_fwd=norm_fwd, norm_bwd=norm_bwd)
 
 
 # Megatron's torch fallback for the fused scale-mask-softmax (megatron/model/fused_softmax.py,
@@ -160,6 +164,6 @@ def block_pass_bytes(shape: BlockShape | None, tokens: float, config: ParallelCo
         return extra, False
     fallback = softmax_fallback_bytes(shape, config.microbatch * shape.a / config.tp, seq_len / config.cp,
                                       seq_len, dtype_bytes, engine)
-    return PassBytes(fwd=extra.fwd + fallback.fwd, bwd=extra.bwd + fallback.bwd,
-                     attention_fwd=extra.attention_fwd + fallback.attention_fwd), fallback.fwd > 0
+    return dataclasses.replace(extra, fwd=extra.fwd + fallback.fwd, bwd=extra.bwd + fallback.bwd,
+                               attention_fwd=extra.attention_fwd + fallback.attention_fwd), fallback.fwd > 0
 
