@@ -20,9 +20,9 @@ from autoplan.cost.dataparallel import (
     add_layers,
     deepspeed_rank,
     dp_groups,
-    grad_wire_bytes,
     rank_dp_times,
 )
+from autoplan.cost.gradpasses import grad_wire_bytes
 from autoplan.cost.hetero import default_split, rank_clusters
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import estimate_layer

@@ -262,7 +262,7 @@ def rank_memory(rank: Any, index: int, cluster: ClusterSpec, config: ParallelCon
     activations under recompute), NCCL's buffers (nccl_buffer_bytes) and the profile's runtime reserve
     (CUDA context, library workspaces, allocator fragmentation); ZeRO-2's reduce buffers
     (zero2_reduce_bytes) count with the gradients."""
-    from autoplan.cost.dataparallel import grad_wire_bytes
+    from autoplan.cost.gradpasses import grad_wire_bytes
 
     weights, grads, optimizer = model_state_bytes(rank.dense_params, rank.expert_params, config, layout=layout,
                                                   dtype=cluster.dtype, engine=engine)
@@ -288,7 +288,7 @@ def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_laye
     """What every rank holds beyond its layers' states and activations: the runtime reserve, NCCL's
     buffers, ZeRO-2's reduce buffers (zero2_reduce_bytes) and ZeRO-3's working set (rank_memory's other terms, for a rank whose largest layer has
     max_layer_params parameters and largest weight max_param_numel)."""
-    from autoplan.cost.dataparallel import grad_wire_bytes
+    from autoplan.cost.gradpasses import grad_wire_bytes
 
     engine = engine or Engine()
     layout = zero_layout(config, 1, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)

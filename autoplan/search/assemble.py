@@ -1,6 +1,6 @@
 """The quick estimate's step assembly over [candidates, pipeline ranks] arrays, built from the exact cost
 model's own functions: the ZeRO layout (plan.layout.zero_layout), bytes per parameter and on the wire
-(cost.memory.state_bytes_per_param, cost.dataparallel.grad_wire_bytes), the collectives (cost.comm, called
+(cost.memory.state_bytes_per_param, cost.gradpasses.grad_wire_bytes), the collectives (cost.comm, called
 on the actual message sizes), SM contention, FSDP2's copy-out, Adam's traffic, NCCL's buffers, ZeRO-3's
 working set and the in-flight microbatches. Memory is the exact model's sum term by term; time replaces
 the two-stream simulation of identical layers by its closed form (overlap.overlapped_s with L equal layers
@@ -17,9 +17,9 @@ import numpy as np
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
-from autoplan.cost.dataparallel import ddp_grad_pass_bytes, grad_buffer_pass_bytes, grad_wire_bytes
 from autoplan.cost.estimate import adam_bytes_per_param, fresh_grad_share
 from autoplan.cost.experts import expert_dp_placement
+from autoplan.cost.gradpasses import ddp_grad_pass_bytes, grad_buffer_pass_bytes, grad_wire_bytes
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import dtype_bytes
 from autoplan.cost.memory import nccl_buffer_bytes, state_bytes_per_param
@@ -167,13 +167,13 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     frac, dense_frac = dp_fractions(sizes, cluster, gather_d + red_d, gather_e + red_e)
     reduce = _bucketed_reduce(rs_or_ar, dense + expert, layers, sizes, lay, wire, cluster, engine)
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
-    # dataparallel.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
+    # gradpasses.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
     copy_in = np.where(lay["reduce_scatter"][:, None] > 0 if engine.reduce_scatter_copy_in else False,
                        memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
-    # dataparallel.ddp_grad_passes_s: the DDP's flatten / divide / copy-back passes around a per-step all-reduce
+    # gradpasses.ddp_grad_passes_s: the DDP's flatten / divide / copy-back passes around a per-step all-reduce
     ddp = np.where(lay["reduce_scatter"][:, None] == 0,  # at any group size, as the exact model
                    memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * (dense + expert)), 0.0)
-    if engine.grad_buffer_passes:  # dataparallel.grad_buffer_passes_s: the zero fill and the 1 / dp scale
+    if engine.grad_buffer_passes:  # gradpasses.grad_buffer_passes_s: the zero fill and the 1 / dp scale
         per = grad_buffer_pass_bytes(cluster.dtype, engine, (c["dp"] * c["ep"])[:, None])
         ddp = ddp + np.where(lay["reduce_every_microbatch"][:, None] == 0,
                              memory_time_s(cluster.device, per * (dense + expert)), 0.0)

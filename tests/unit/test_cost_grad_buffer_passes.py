@@ -15,7 +15,7 @@ from test_cost_graph_helper import gpt_graph
 from autoplan import cost
 from autoplan.cluster.load import Cluster
 from autoplan.cost import estimate_config
-from autoplan.cost.dataparallel import grad_buffer_passes_s
+from autoplan.cost.gradpasses import grad_buffer_passes_s
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig
