@@ -9,9 +9,8 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
 
-from autoplan import cost
 from autoplan.cost import comm, estimate_config, estimate_layer
 from autoplan.cost.dataparallel import async_reduce_s, dp_groups
 from autoplan.plan.engine import Engine
@@ -98,7 +97,6 @@ def test_the_quick_estimate_prices_async_reductions_as_the_exact_model() -> None
     import scipy.stats
 
     from autoplan.search.space import SearchOptions, enumerate_space
-    from autoplan.search.surrogate import quick_estimate
 
     graph = gpt_graph(h=512, a=8, layers=4, seq=256, vocab=4096, unfused=False)
     cluster = a100_cluster(2, per_node=4)
@@ -108,12 +106,8 @@ def test_the_quick_estimate_prices_async_reductions_as_the_exact_model() -> None
     assert rows
     times = {}
     for flag in (False, True):
-        eng = cost.with_engine(dataclasses.replace(Engine.load("megatron-core"), grad_reduce_async=flag,
-                                                   dp_bucket_numel=0))
-        quick = quick_estimate(graph, cluster, space, 16, eng).step_time_s[rows]
-        exact = np.array([eng.estimate_config(graph, cluster, space.config(r), global_batch=16).step_time_s
-                          for r in rows])
-        times[flag] = quick, exact
+        engine = dataclasses.replace(Engine.load("megatron-core"), grad_reduce_async=flag, dp_bucket_numel=0)
+        times[flag] = quick_and_exact(graph, cluster, space, rows, 16, engine)
     (q_sync, e_sync), (q_async, e_async) = times[False], times[True]
     assert scipy.stats.spearmanr(e_async, q_async).statistic >= 0.95
     assert (np.abs((q_sync - q_async) - (e_sync - e_async)) <= 0.1 * e_async).all()

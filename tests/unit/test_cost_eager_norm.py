@@ -11,10 +11,9 @@ import math
 import numpy as np
 import pytest
 import yaml
-from test_cost_graph_helper import a100_cluster
+from test_cost_graph_helper import a100_cluster, quick_and_exact
 from test_cost_torchtitan import TITAN, H, S, _graph, llama_block
 
-from autoplan import cost
 from autoplan.cluster.load import Cluster, shipped_dirs
 from autoplan.cost.compute import layer_compute
 from autoplan.cost.kernels import eager_norm_time_s, memory_time_s
@@ -84,19 +83,14 @@ def test_the_quick_estimate_moves_with_the_exact_model() -> None:
     moves its step times by what it moves the exact ones, on one GPU (no communication to hide it behind),
     every recompute mode."""
     from autoplan.search.space import SearchOptions, enumerate_space
-    from autoplan.search.surrogate import quick_estimate
 
     graph = _graph()
-    eng = cost.with_engine(TITAN)
     out = []
     for cluster in (BASE, SLOW):
         cluster = dataclasses.replace(cluster, dtype="bf16", devices_per_node=1)
         space = enumerate_space(graph, cluster, SearchOptions(global_batch=2))
         rows = [j for j in range(len(space)) if space.config(j).pp == 1]
-        quick = quick_estimate(graph, cluster, space, 2, eng).step_time_s[rows]
-        exact = np.array([eng.estimate_config(graph, cluster, space.config(i), global_batch=2).step_time_s
-                          for i in rows])
-        out.append((quick, exact))
+        out.append(quick_and_exact(graph, cluster, space, rows, 2, TITAN))
     (q0, e0), (q1, e1) = out
     assert np.all(e1 - e0 > 0)
     np.testing.assert_allclose(q1 - q0, e1 - e0, rtol=1e-6)

@@ -11,9 +11,8 @@ import dataclasses
 import math
 
 import numpy as np
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
 
-from autoplan import cost
 from autoplan.cost import estimate_config
 from autoplan.cost.compute import GRAD_ACCUMULATE_BYTES, layer_compute
 from autoplan.graph.types import Layer, LayerGraph, LayerRole
@@ -78,19 +77,12 @@ def test_the_step_takes_the_saving_off_every_microbatch_that_starts_with_freed_g
 def test_the_quick_estimate_takes_off_what_the_exact_model_does() -> None:
     """search/assemble.py applies the same share to the per-layer saving (surrogate field 'fresh')."""
     from autoplan.search.space import SearchOptions, enumerate_space
-    from autoplan.search.surrogate import quick_estimate
 
     space = enumerate_space(graph(), CLUSTER, SearchOptions(global_batch=16))
     rows = [i for zero in (1, 3) for i in [j for j in range(len(space)) if space.config(j).pp == 1
                                            and space.config(j).zero == zero and space.config(j).dp == 8][:3]]
     assert {space.config(i).zero for i in rows} == {1, 3}
-    deltas = []
-    for engine in (ON, OFF):
-        eng = cost.with_engine(engine)
-        quick = quick_estimate(graph(), CLUSTER, space, 16, eng).step_time_s[rows]
-        exact = np.array([eng.estimate_config(graph(), CLUSTER, space.config(i), global_batch=16).step_time_s
-                          for i in rows])
-        deltas.append((quick, exact))
+    deltas = [quick_and_exact(graph(), CLUSTER, space, rows, 16, engine) for engine in (ON, OFF)]
     (q_on, e_on), (q_off, e_off) = deltas
     assert np.all(e_off - e_on > 0)
     np.testing.assert_allclose(q_off - q_on, e_off - e_on, rtol=1e-6)

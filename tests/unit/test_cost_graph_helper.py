@@ -63,6 +63,22 @@ def a100_cluster(num_nodes: int = 1, *, per_node: int = 8, nic_bw: float = 25e9,
                        intra_node=nvlink, inter_node=ib)
 
 
+def quick_and_exact(graph: LayerGraph, cluster: ClusterSpec, space, rows: list[int], global_batch: int,
+                    engine):
+    """Step times of `rows` of a search space under `engine`: the quick estimate's (search.surrogate) and the
+    exact model's (cost.estimate_config through cost.with_engine), for tests that the two move together."""
+    import numpy as np
+
+    from autoplan import cost
+    from autoplan.search.surrogate import quick_estimate
+
+    eng = cost.with_engine(engine)
+    quick = quick_estimate(graph, cluster, space, global_batch, eng).step_time_s[rows]
+    exact = np.array([eng.estimate_config(graph, cluster, space.config(i), global_batch=global_batch).step_time_s
+                      for i in rows])
+    return quick, exact
+
+
 def narayanan_flops(*, B: int, s: int, l: int, h: int, V: int) -> float:
     """Model FLOPs per step (Narayanan et al. 2021, appendix): 72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
     return 72.0 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))

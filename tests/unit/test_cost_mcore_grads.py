@@ -10,9 +10,8 @@ import math
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
 
-from autoplan import cost
 from autoplan.cost.compute import layer_compute
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Recompute
@@ -29,20 +28,14 @@ def graph():
 def test_the_quick_estimate_adds_what_the_exact_model_does() -> None:
     fields = ("embedding_grad_add",)
     from autoplan.search.space import SearchOptions, enumerate_space
-    from autoplan.search.surrogate import quick_estimate
 
     space = enumerate_space(graph(), CLUSTER, SearchOptions(global_batch=16))
     # ZeRO 0-2 (Megatron-Core's own layouts; the quick estimate approximates ZeRO-3's gather timeline)
     rows = [i for i in range(len(space)) if space.config(i).dp == 8 and space.config(i).pp == 1
             and space.config(i).zero <= 2][:3]
     assert len(rows) == 3
-    deltas = []
-    for engine in (MCORE, dataclasses.replace(MCORE, **dict.fromkeys(fields, False))):
-        eng = cost.with_engine(engine)
-        quick = quick_estimate(graph(), CLUSTER, space, 16, eng).step_time_s[rows]
-        exact = np.array([eng.estimate_config(graph(), CLUSTER, space.config(i), global_batch=16).step_time_s
-                          for i in rows])
-        deltas.append((quick, exact))
+    deltas = [quick_and_exact(graph(), CLUSTER, space, rows, 16, engine)
+              for engine in (MCORE, dataclasses.replace(MCORE, **dict.fromkeys(fields, False)))]
     (q_on, e_on), (q_off, e_off) = deltas
     assert np.all(e_on - e_off > 0)
     np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)

@@ -9,7 +9,7 @@ import dataclasses
 import math
 
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
 
 from autoplan.cost import estimate_config
 from autoplan.cost.compute import layer_compute
@@ -153,22 +153,15 @@ def test_the_quick_estimate_prices_the_copy_in_and_the_optimizer_as_the_exact_mo
     quick step time by what it moves the exact one, on every zero-3 and zero-1 candidate without a pipeline."""
     import numpy as np
 
-    from autoplan import cost
     from autoplan.search.space import SearchOptions, enumerate_space
-    from autoplan.search.surrogate import quick_estimate
 
     graph, cluster = _graph(), dataclasses.replace(CLUSTER, dtype="bf16")
     space = enumerate_space(graph, cluster, SearchOptions(global_batch=8))
     rows = [i for zero in (1, 3) for i in [j for j in range(len(space)) if space.config(j).pp == 1
                                            and space.config(j).zero == zero and space.config(j).dp == 8][:3]]
     assert {space.config(i).zero for i in rows} == {1, 3}
-    deltas = []
-    for engine in (TITAN, dataclasses.replace(TITAN, reduce_scatter_copy_in=False, fused_adam=True)):
-        eng = cost.with_engine(engine)
-        quick = quick_estimate(graph, cluster, space, 8, eng).step_time_s[rows]
-        exact = np.array([eng.estimate_config(graph, cluster, space.config(i), global_batch=8).step_time_s
-                          for i in rows])
-        deltas.append((quick, exact))
+    deltas = [quick_and_exact(graph, cluster, space, rows, 8, engine)
+              for engine in (TITAN, dataclasses.replace(TITAN, reduce_scatter_copy_in=False, fused_adam=True))]
     (q_on, e_on), (q_off, e_off) = deltas
     assert np.all(e_on - e_off > 0)
     np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
