@@ -7,7 +7,7 @@ import dataclasses
 import math
 
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, gpt_graph, unfused_attention_by_hand
 
 from autoplan.cluster.engines import parse_engine
 from autoplan.cost import estimate_layer
@@ -87,17 +87,10 @@ def test_unfused_score_backward_reads_the_mask_not_a_saved_input(seq: int) -> No
     forward's, plus the dropout backward (read the gradient 2 and the mask 1, write 2) and the fused
     softmax backward (read the gradient and the probabilities, write in place: 6): 11 bytes per score in
     bf16, against FlashAttention's backward of 2.5 x its forward."""
-    h, a, b = 1024, 16, 2
-    d = h // a
-    block = gpt_graph(h=h, a=a, layers=1, seq=seq, unfused=False).blocks[0]
-    config = ParallelConfig(microbatch=b)
+    block = gpt_graph(h=1024, a=16, layers=1, seq=seq, unfused=False).blocks[0]
+    config = ParallelConfig(microbatch=2)
     flash, unfused = (estimate_layer(block, IDEAL, config, "none", seq_len=seq, engine=Engine(attention=kind))
                       for kind in ("flash", "unfused"))
-    scores = b * a * seq * seq
-    peak, bw = 312e12, 2.0e12
-    gemm = max(2.0 * scores * d / peak, (2 * seq * d * 2 + seq * seq * 2) * b * a / bw)
-    share = 16 * 9 / 14
-    kv = seq / 128 / 2
-    flash_fwd = 4.0 * b * seq * seq * h * 0.5 / (peak * kv / (kv + 1) * (1 + share / 128) / (1 + share / d))
-    expected = 4 * gemm + scores * (2 + 1 + 2 + 3 * 2) / bw - 2.5 * flash_fwd
+    scores, gemm, flash_fwd = unfused_attention_by_hand(seq)
+    expected = 4 * gemm + scores * (2 + 1 + 2 + 3 * 2) / 2.0e12 - 2.5 * flash_fwd
     assert math.isclose(unfused.bwd_s - flash.bwd_s, expected, rel_tol=1e-9)

@@ -79,6 +79,22 @@ def quick_and_exact(graph: LayerGraph, cluster: ClusterSpec, space, rows: list[i
     return quick, exact
 
 
+def unfused_attention_by_hand(seq: int, *, h: int = 1024, a: int = 16, b: int = 2, peak: float = 312e12,
+                              bw: float = 2.0e12) -> tuple[float, float, float]:
+    """Hand terms for Megatron's unfused attention core against FlashAttention on the ideal A100 of
+    a100_cluster(ideal=True) (HBM 2 TB/s, 312 TFLOP/s, no SMs): (scores, one batched score GEMM at
+    max(FLOPs / peak, bytes / bw) -- Q K^T writing the s x s scores, or P V reading them --, FlashAttention's
+    forward at its amortised rate: half the causal square, kv / (kv + 1) over its 128-key blocks, the
+    non-matmul share 16 x 9 / 14 at head dim d against 128)."""
+    d = h // a
+    scores = b * a * seq * seq
+    gemm = max(2.0 * scores * d / peak, (2 * seq * d * 2 + seq * seq * 2) * b * a / bw)
+    share = 16 * 9 / 14
+    kv = seq / 128 / 2
+    flash_fwd = 4.0 * b * seq * seq * h * 0.5 / (peak * kv / (kv + 1) * (1 + share / 128) / (1 + share / d))
+    return scores, gemm, flash_fwd
+
+
 def narayanan_flops(*, B: int, s: int, l: int, h: int, V: int) -> float:
     """Model FLOPs per step (Narayanan et al. 2021, appendix): 72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
     return 72.0 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))
