@@ -6,7 +6,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-import yaml
+from test_cost_graph_helper import write_profile_variant
 
 from autoplan.cluster import Cluster, ClusterSpec
 from autoplan.cluster import load as load_module
@@ -115,16 +115,8 @@ def test_missing_file_is_file_not_found(tmp_path: Path) -> None:
         Cluster.load(tmp_path / "nope.yaml")
 
 
-def _write_variant(tmp_path: Path, edit) -> Path:
-    data = yaml.safe_load((REPO / "profiles" / "dgx-a100-80gb.yaml").read_text())
-    edit(data)
-    path = tmp_path / "variant.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
-
-
 def test_a_path_loads_the_same_values_as_the_name(tmp_path: Path) -> None:
-    path = _write_variant(tmp_path, lambda d: None)
+    path = write_profile_variant(tmp_path, lambda d: None)
     assert Cluster.load(path).device == Cluster.load("dgx-a100-80gb").device
     assert Cluster.load(str(path), num_nodes=3).inter_node == Cluster.load("dgx-a100-80gb").inter_node
 
@@ -133,7 +125,7 @@ def test_misspelled_key_names_field_file_and_close_match(tmp_path: Path) -> None
     def edit(d):
         d["device"]["matmul_eficiency"] = d["device"].pop("matmul_efficiency")
 
-    path = _write_variant(tmp_path, edit)
+    path = write_profile_variant(tmp_path, edit)
     with pytest.raises(ValueError) as err:
         Cluster.load(path)
     message = str(err.value)
@@ -143,29 +135,29 @@ def test_misspelled_key_names_field_file_and_close_match(tmp_path: Path) -> None
 
 
 def test_missing_field_names_field_and_file(tmp_path: Path) -> None:
-    path = _write_variant(tmp_path, lambda d: d["inter_node"].pop("latency_s"))
+    path = write_profile_variant(tmp_path, lambda d: d["inter_node"].pop("latency_s"))
     with pytest.raises(ValueError) as err:
         Cluster.load(path)
     assert str(path) in str(err.value) and "missing field 'inter_node.latency_s'" in str(err.value)
 
 
 def test_missing_dtype_peak_and_bad_values(tmp_path: Path) -> None:
-    path = _write_variant(tmp_path, lambda d: d["device"]["peak_flops"].pop("tf32"))
+    path = write_profile_variant(tmp_path, lambda d: d["device"]["peak_flops"].pop("tf32"))
     with pytest.raises(ValueError, match="missing field 'device.peak_flops.tf32'"):
         Cluster.load(path)
-    path = _write_variant(tmp_path, lambda d: d["intra_node"].update(allreduce_busbw_fraction=1.3))
+    path = write_profile_variant(tmp_path, lambda d: d["intra_node"].update(allreduce_busbw_fraction=1.3))
     with pytest.raises(ValueError, match=r"intra_node.allreduce_busbw_fraction.*\(0, 1\]"):
         Cluster.load(path)
-    path = _write_variant(tmp_path, lambda d: d["device"].update(mem_bytes="lots"))
+    path = write_profile_variant(tmp_path, lambda d: d["device"].update(mem_bytes="lots"))
     with pytest.raises(ValueError, match="device.mem_bytes' must be a number"):
         Cluster.load(path)
-    path = _write_variant(tmp_path, lambda d: d.update(schema_version=99))
+    path = write_profile_variant(tmp_path, lambda d: d.update(schema_version=99))
     with pytest.raises(ValueError, match="schema_version 99"):
         Cluster.load(path)
 
 
 def test_yaml11_exponent_without_sign_is_read_as_number(tmp_path: Path) -> None:
-    path = _write_variant(tmp_path, lambda d: None)
+    path = write_profile_variant(tmp_path, lambda d: None)
     text = path.read_text().replace("  latency_s: 2.7e-06", "  latency_s: 27e-7")
     path.write_text(text)
     assert Cluster.load(path).inter_node.latency_s == pytest.approx(2.7e-6)

@@ -10,11 +10,10 @@ import math
 
 import numpy as np
 import pytest
-import yaml
-from test_cost_graph_helper import a100_cluster, quick_and_exact
+from test_cost_graph_helper import a100_cluster, quick_and_exact, write_profile_variant
 from test_cost_torchtitan import TITAN, H, S, _graph, llama_block
 
-from autoplan.cluster.load import Cluster, shipped_dirs
+from autoplan.cluster.load import Cluster
 from autoplan.cost.compute import layer_compute
 from autoplan.cost.kernels import eager_norm_time_s, memory_time_s
 from autoplan.plan.types import ParallelConfig, Recompute
@@ -70,10 +69,7 @@ def test_the_a100_fractions_are_the_published_liger_medians_over_the_sequences_b
 
 
 def test_a_fraction_above_one_is_refused(tmp_path) -> None:
-    data = yaml.safe_load((shipped_dirs("profiles")[0] / "dgx-a100-80gb.yaml").read_text())
-    data["device"]["eager_norm_bwd_bw_efficiency"] = 1.3
-    path = tmp_path / "variant.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = write_profile_variant(tmp_path, lambda d: d["device"].update(eager_norm_bwd_bw_efficiency=1.3))
     with pytest.raises(ValueError, match=r"device.eager_norm_bwd_bw_efficiency.*\(0, 1\]"):
         Cluster.load(path)
 

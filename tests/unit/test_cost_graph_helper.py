@@ -95,6 +95,20 @@ def unfused_attention_by_hand(seq: int, *, h: int = 1024, a: int = 16, b: int = 
     return scores, gemm, flash_fwd
 
 
+def write_profile_variant(tmp_path, edit):
+    """The shipped dgx-a100-80gb profile's YAML, changed in place by edit(data), written to
+    tmp_path / variant.yaml: a user's own profile file for the loader's checks. Returns its path."""
+    import yaml
+
+    from autoplan.cluster.load import shipped_dirs
+
+    data = yaml.safe_load((shipped_dirs("profiles")[0] / "dgx-a100-80gb.yaml").read_text())
+    edit(data)
+    path = tmp_path / "variant.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def narayanan_flops(*, B: int, s: int, l: int, h: int, V: int) -> float:
     """Model FLOPs per step (Narayanan et al. 2021, appendix): 72 B s l h^2 (1 + s/(6h) + V/(12 l h))."""
     return 72.0 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h))

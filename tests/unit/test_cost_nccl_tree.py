@@ -7,10 +7,9 @@ import dataclasses
 import math
 
 import pytest
-import yaml
-from test_cost_graph_helper import a100_cluster
+from test_cost_graph_helper import a100_cluster, write_profile_variant
 
-from autoplan.cluster.load import Cluster, shipped_dirs
+from autoplan.cluster.load import Cluster
 from autoplan.cost import GroupPlacement, all_gather_s, all_reduce_s
 
 BASE, LL, SIMPLE, NET_LL, NET_SIMPLE = 35e-6, 0.6e-6, 3.4e-6, 2.7e-6, 14e-6
@@ -129,9 +128,6 @@ def test_ll128_with_one_gpu_per_node_runs_at_07() -> None:
 
 
 def test_a_tree_ratio_above_one_is_refused_like_any_fraction(tmp_path) -> None:
-    data = yaml.safe_load((shipped_dirs("profiles")[0] / "dgx-a100-80gb.yaml").read_text())
-    data["inter_node"]["tree_busbw_ratio"] = 1.4
-    path = tmp_path / "variant.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = write_profile_variant(tmp_path, lambda d: d["inter_node"].update(tree_busbw_ratio=1.4))
     with pytest.raises(ValueError, match=r"inter_node.tree_busbw_ratio.*\(0, 1\]"):
         Cluster.load(path)
