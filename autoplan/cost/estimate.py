@@ -28,7 +28,7 @@ from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import estimate_layer
 from autoplan.cost.memory import rank_memory, state_bytes_per_param
 from autoplan.cost.p2p import StageEnv, add_hop, pp_recv_gather_s
-from autoplan.cost.pipeline import pipeline_time_s, reduce_stream_floor_s
+from autoplan.cost.pipeline import chunks_per_rank, pipeline_time_s, reduce_stream_floor_s
 from autoplan.cost.stages import check_config, check_stages
 from autoplan.cost.timeline import shared_cores_pipeline_time_s
 from autoplan.cost.types import GroupPlacement, LayerCost
@@ -257,7 +257,7 @@ def _reduce_floor(ranks: list[Rank], config: ParallelConfig, m: int) -> float:
     bwd = [sum(c.time_s for c in r.costs) - f for r, f in zip(ranks, fwd)]
     if config.schedule is Schedule.ZERO_BUBBLE:
         bwd = [b - sum(c.bwd_weight_s for c in r.costs) for r, b in zip(ranks, bwd)]
-    chunks = config.virtual_stages if config.schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE) else 1
+    chunks = chunks_per_rank(config.schedule, config.virtual_stages)
     return reduce_stream_floor_s(fwd, bwd, [r.async_reduce for r in ranks], m, chunks)
 
 

@@ -39,10 +39,11 @@ def bubble_fraction(schedule: Schedule, p: int, v: int, m: int, *, weight_fracti
     _check(p, v, m)
     schedule = _schedule(schedule)
     return max(_bubble_term(schedule, v, 1.0, weight_fraction)
-               * (p - 1) / m / _chunks(schedule, v), 0.0) if p > 1 else 0.0
+               * (p - 1) / m / chunks_per_rank(schedule, v), 0.0) if p > 1 else 0.0
 
 
-def _chunks(schedule: Schedule, v: int) -> int:
+def chunks_per_rank(schedule: Schedule, v: int) -> int:
+    """Model chunks (virtual stages) a pipeline rank runs: v for interleaved 1F1B and zero bubble, else 1."""
     return v if schedule in (Schedule.INTERLEAVED, Schedule.ZERO_BUBBLE) else 1
 
 
@@ -78,7 +79,7 @@ def pipeline_time_s(schedule: Schedule | str, p: int, v: int, m: int, fwd_s: Seq
     steady = _per_rank(steady_s, p, v, "steady_s") if steady_s is not None else [0.0] * p
     x = [f + b for f, b in zip(fwd, bwd)]
     y = [_bubble_term(schedule, v, xi, w) for xi, w in zip(x, weight)]
-    return m * max(xi + e for xi, e in zip(x, steady)) + (sum(y) - max(y)) / _chunks(schedule, v)
+    return m * max(xi + e for xi, e in zip(x, steady)) + (sum(y) - max(y)) / chunks_per_rank(schedule, v)
 
 
 def _per_rank(values: Sequence[float], p: int, v: int, name: str) -> list[float]:
