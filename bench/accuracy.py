@@ -5,9 +5,10 @@
 Targets (issue 8): vTrain multi-node and single-node (measured Megatron-DeepSpeed iterations,
 bench/data/vtrain), the SC'21 calibration rows and Korthikanti et al.'s per-layer times
 (bench/data/calibration). Checks, printed and never fitted to: the other published runs in
-bench/data/published (SC'21 Tables 1-2, Llama 3 405B, torchtitan on A100, Megatron-Core r0.8.0 on H100),
-the same-scale ZeRO-3 vs PTD-P pairs and whether every run that ran is predicted to fit. Errors are step-time
-errors, predicted / measured - 1: negative means predicted too fast. Runs from a clean clone (no files outside it).
+bench/data/published (SC'21 Tables 1-2, Llama 3 405B, torchtitan on A100, Megatron-Core r0.8.0 on H100,
+MegaScale's Megatron-LM baseline on A100), the same-scale ZeRO-3 vs PTD-P pairs and whether every run that ran
+is predicted to fit. Errors are step-time errors, predicted / measured - 1: negative means predicted too fast.
+Runs from a clean clone (no files outside it).
 """
 
 from __future__ import annotations

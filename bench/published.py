@@ -111,22 +111,32 @@ def predict(rec: dict) -> Result:
         stages = ends_alone_stages(graph, config.pp * config.virtual_stages)
     est = estimate_config(graph, cluster, config, global_batch=rec["global_batch"], engine=engine_of(rec),
                           layer_recompute=overrides, stages=stages)
-    measured = rec["measured"]
+    step = measured_step_s(rec, cluster.peak_flops, est.model_flops)
+    return Result(set=rec["set"], label=rec["id"], engine=rec["engine"], predicted_s=est.step_time_s,
+                  measured_s=step, fits=est.fits, estimate=est)
+
+
+def measured_step_s(rec: dict, peak_flops: float, model_flops: float) -> float:
+    """The record's measured step time (seconds) from what its source published: an iteration time as
+    such, or teraFLOP/s, tokens/s or MFU through that source's own FLOP convention (`peak_flops` the
+    profile's dense peak per GPU, `model_flops` the estimate's own count for a plain MFU)."""
+    model, cfg, gpus, measured = rec["model"], rec["config"], rec["cluster"]["gpus"], rec["measured"]
+    if "iteration_time_s" in measured:
+        return measured["iteration_time_s"]
     if "tflops_per_gpu_with_recompute" in measured:
         flops = megatron_flops(B=rec["global_batch"], s=model["seq_len"], l=model["layers"], h=model["hidden"],
                                V=model["vocab"])
-        step = flops / (measured["tflops_per_gpu_with_recompute"] * 1e12 * cl["gpus"])
-    elif "tflops_per_gpu_megatron_core" in measured:
+        return flops / (measured["tflops_per_gpu_with_recompute"] * 1e12 * gpus)
+    if "tflops_per_gpu_megatron_core" in measured or "mfu_megatron_core_flops" in measured:
         flops = megatron_core_flops(B=rec["global_batch"], s=model["seq_len"], l=model["layers"], h=model["hidden"],
-                                    V=padded_vocab(model["vocab"], config.tp), a=model["heads"], ffn=model.get("ffn"),
+                                    V=padded_vocab(model["vocab"], cfg.get("tp", 1)), a=model["heads"], ffn=model.get("ffn"),
                                     kv_heads=model.get("kv_heads"), swiglu=model["family"] == "llama")
-        step = flops / (measured["tflops_per_gpu_megatron_core"] * 1e12 * cl["gpus"])
-    elif "tokens_per_s_per_gpu" in measured:
-        step = rec["global_batch"] / cl["gpus"] * model["seq_len"] / measured["tokens_per_s_per_gpu"]
-    else:  # MFU: the same model FLOPs over the measured step
-        step = est.model_flops / (measured["mfu"] * cluster.peak_flops * cl["gpus"])
-    return Result(set=rec["set"], label=rec["id"], engine=rec["engine"], predicted_s=est.step_time_s,
-                  measured_s=step, fits=est.fits, estimate=est)
+        if "tflops_per_gpu_megatron_core" in measured:
+            return flops / (measured["tflops_per_gpu_megatron_core"] * 1e12 * gpus)
+        return flops / (measured["mfu_megatron_core_flops"] * peak_flops * gpus)
+    if "tokens_per_s_per_gpu" in measured:
+        return rec["global_batch"] / gpus * model["seq_len"] / measured["tokens_per_s_per_gpu"]
+    return model_flops / (measured["mfu"] * peak_flops * gpus)  # MFU: the same model FLOPs over the measured step
 
 
 def records() -> list[dict]:

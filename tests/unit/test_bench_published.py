@@ -10,7 +10,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from graphs import gpt_graph
-from published import megatron_core_flops, megatron_flops, padded_vocab
+from published import measured_step_s, megatron_core_flops, megatron_flops, padded_vocab, records
 
 
 def _by_gemm(*, B: int, s: int, l: int, h: int, V: int, a: int, g: int, f: int, gated: bool) -> float:
@@ -53,3 +53,39 @@ def test_untied_gpt_has_no_tied_embedding():
     kw = {"h": 64, "a": 4, "layers": 2, "seq": 16, "vocab": 100}
     assert gpt_graph(**kw).tied_embedding_params == 100 * 64
     assert gpt_graph(**kw, tied=False).tied_embedding_params == 0
+
+
+def _megascale_12288(measured: dict) -> dict:
+    """MegaScale Table 2's Megatron-LM run on 12,288 GPUs (175B: 96 layers, h 12288, 128 heads, V 64,000 padded
+    to 64,512, batch 6144 of 2048 tokens, TP 8)."""
+    return {"model": {"family": "gpt", "hidden": 12288, "heads": 128, "layers": 96, "vocab": 64512, "seq_len": 2048},
+            "config": {"tp": 8}, "cluster": {"gpus": 12288}, "global_batch": 6144, "measured": measured}
+
+
+def test_mfu_megatron_core_flops_step_by_hand():
+    # 72 B s l h^2 (1 + s/6h + V/12lh) over MFU x 312 TFLOP/s x GPUs, written out
+    flops = 72.0 * 6144 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 64512 / (12 * 96 * 12288))
+    got = measured_step_s(_megascale_12288({"mfu_megatron_core_flops": 0.412}), 312e12, model_flops=0.0)
+    assert got == pytest.approx(flops / (0.412 * 312e12 * 12288), rel=1e-12)
+    assert got == pytest.approx(8.57, rel=3e-3)  # the paper's own iteration time for that row
+
+
+def test_published_iteration_time_wins_over_mfu():
+    rec = _megascale_12288({"iteration_time_s": 8.57, "mfu_megatron_core_flops": 0.5})
+    assert measured_step_s(rec, 312e12, model_flops=0.0) == 8.57
+
+
+def test_megascale_table2_columns_agree_through_the_flop_count():
+    # each Megatron-LM row's MFU, through Megatron-Core's FLOP count and A100's 312 TFLOP/s, gives its published
+    # iteration time, and batch x 2048 / iteration time its throughput, to the table's rounding; 6N (N = 174.8 B)
+    # or SC'21's count with the recompute would miss by 2.7 % and 33 %
+    rows = [r for r in records() if r["id"].startswith("megascale-t2-")]
+    assert len(rows) == 8
+    for rec in rows:
+        m = rec["measured"]
+        from_mfu = measured_step_s({**rec, "measured": {"mfu_megatron_core_flops": m["mfu_megatron_core_flops"]}},
+                                   312e12, model_flops=0.0)
+        assert from_mfu == pytest.approx(m["iteration_time_s"], rel=5e-3), rec["id"]
+        assert rec["global_batch"] * 2048 / m["iteration_time_s"] == pytest.approx(m["throughput_tokens_per_s"],
+                                                                                   rel=5e-3), rec["id"]
+        assert rec["config"]["dp"] * 64 == rec["cluster"]["gpus"]
