@@ -74,6 +74,7 @@ class Rank:
     bwd: float = 0.0
     weight: float = 0.0
     recv_wait: float = 0.0  # blocking receives of an unbatched pipeline (Engine.pp_p2p_batched False): steady state only
+    p2p_hidden: float = 0.0  # overlapped p2p (Engine.pp_p2p_overlap, cost/p2p.py): in fwd / bwd for the fill and drain, off the steady state
     act_bytes: float = 0.0
     work_bytes: float = 0.0
     dense_params: float = 0.0
@@ -88,7 +89,12 @@ class Rank:
 
     @property
     def slot(self) -> float:
-        return self.fwd + self.bwd + self.recv_wait
+        return self.fwd + self.bwd + self.steady
+
+    @property
+    def steady(self) -> float:
+        """What the steady state adds to (or, overlapped p2p, takes off) fwd + bwd: pipeline_time_s's steady_s."""
+        return self.recv_wait - self.p2p_hidden
 
 
 def add_layers(rank: Rank, costs: Sequence[LayerCost], layers: Sequence[Layer]) -> None:

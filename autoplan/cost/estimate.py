@@ -129,9 +129,9 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
         else:
             rank_dp_times(rank, env.view, config, layout, engine, env.groups)
     pipe = pipeline_time_s(config.schedule, p, v, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
-                           [r.weight for r in ranks], [r.recv_wait for r in ranks])
+                           [r.weight for r in ranks], [r.steady for r in ranks])
     if cluster.device.cpu_cores and p > 1:  # CPU ranks sharing cores: a waiting pipeline rank frees its share
-        pipe = shared_cores_pipeline_time_s(config, m, [r.fwd + r.recv_wait for r in ranks], [r.bwd for r in ranks],
+        pipe = shared_cores_pipeline_time_s(config, m, [r.fwd + r.steady for r in ranks], [r.bwd for r in ranks],
                                             [r.weight for r in ranks], cores=cluster.device.cpu_cores,
                                             ranks=cluster.devices_per_node,
                                             oversubscribed=cluster.device.cpu_oversubscribed_efficiency)

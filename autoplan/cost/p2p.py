@@ -15,9 +15,10 @@ from autoplan.cost.compute import H2D_SYNC_COPY_S
 from autoplan.cost.dataparallel import DpGroups, Rank
 from autoplan.cost.hetero import crosses_groups, link_p2p_s
 from autoplan.cost.kernels import memory_time_s
+from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.types import LayerCost
 from autoplan.plan.engine import Engine
-from autoplan.plan.types import ParallelConfig
+from autoplan.plan.types import ParallelConfig, Schedule
 
 
 @dataclass(slots=True)
@@ -86,6 +87,31 @@ def pp_recv_gather_s(chunk_bytes: float, config: ParallelConfig, cluster: Cluste
     return comm.all_gather_s(whole, group, cluster) + copy
 
 
+def p2p_overlapped(engine: Engine, schedule: Schedule | str, v: int) -> bool:
+    """Whether the engine overlaps a pipeline's p2p with its compute under this schedule (Engine.pp_p2p_overlap):
+    Megatron-Core's --overlap-p2p-communication (on by default: megatron/training/arguments.py core_r0.8.0
+    `--no-overlap-p2p-communication` store_false dest overlap_p2p_comm) exists only in the interleaved schedule:
+    validate_args sets args.overlap_p2p_comm = False without --num-layers-per-virtual-pipeline-stage ('non-interleaved
+    schedule does not support overlapping p2p communication'), and forward_backward_pipelining_without_interleaving
+    raises on it (megatron/core/pipeline_parallel/schedules.py)."""
+    return engine.pp_p2p_overlap and Schedule(str(schedule).lower()) is Schedule.INTERLEAVED and v > 1
+
+
+def overlapped_p2p_saving_s(hop_s: Any, frac: Any) -> Any:
+    """What an overlapped transfer of hop_s seconds takes off a rank's steady-state slot: all of it but the
+    compute its NCCL kernel slows while it runs beside the chunks (overlap.hidden_penalty_s's rule, `frac` the
+    pp communicator's contention_fraction). Megatron-Core core_r0.8.0 schedules.py
+    forward_backward_pipelining_with_interleaving under overlap_p2p_comm: after each forward,
+    p2p_communication.send_forward_recv_forward(..., overlap_p2p_comm=True) returns the isend / irecv handles
+    (p2p_communication._communicate -> _p2p_ops, torch.distributed.isend / irecv on their own NCCL stream),
+    waited (`req.wait()` on fwd_wait_handles) only before the next forward; the backward's send / receive
+    likewise (bwd_wait_handles, before the next backward), so the transfer runs beside the chunk computed in
+    between. Assumes a transfer no longer than one chunk's forward or backward (the H100 462B run: 0.4 ms
+    against ~8 ms). The fill and drain still wait for it along the chain (pipeline_time_s: steady_s takes
+    it off X_r only). Numbers or numpy arrays."""
+    return hop_s * (1.0 - frac)
+
+
 def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes: float, cluster: ClusterSpec,
              config: ParallelConfig, engine: Engine) -> None:
     """One pipeline cut between ranks a (sender of the activation) and b, per microbatch. Each tp rank sends
@@ -108,7 +134,10 @@ def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes
     (m + p - 1)(F + B) + (4m + 2p - 8) T for p >= 3, m >= 2 and uniform stages (T < F, B) and 2mT for
     p = 2; this gives (4m + 2p - 4) T and (2m + 1) T. Batched (a8d172b3 Megatron-LM's 1F1B simulated the
     same way): (2m + 2p - 5) T for p >= 3, m >= 3, and (m + 1) T for p = 2; this gives (2m + 2p - 4) T and
-    (m + 1) T."""
+    (m + 1) T.
+
+    Overlapped p2p (p2p_overlapped: Megatron-Core's interleaved schedule): each side's slot keeps the transfer
+    for the fill and drain, and Rank.p2p_hidden takes overlapped_p2p_saving_s of it off the steady state."""
     env_a, env_b = env_of[a], env_of[b]
     inter = crosses_groups(cluster, config, a, b)
     sizes = (out_bytes, partition_meta_bytes(config.tp)) if partitioned(config, engine) else (out_bytes,)
@@ -124,7 +153,13 @@ def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes
     ranks[b].pp += hop + gather_fwd
     ranks[b].bwd += hop
     ranks[b].fwd += gather_fwd
-    if not engine.pp_p2p_batched:
+    if p2p_overlapped(engine, config.schedule, config.virtual_stages):
+        view = env_a.view
+        frac = contention_fraction(view, comm.group_placement(config, ("pp",), view.devices_per_node))
+        for k in (a, b):
+            ranks[k].p2p_hidden += overlapped_p2p_saving_s(hop, frac)
+            ranks[k].pp -= overlapped_p2p_saving_s(hop, frac)
+    elif not engine.pp_p2p_batched:
         for k in (a, b):
             ranks[k].recv_wait += hop
             ranks[k].pp += hop

@@ -70,7 +70,9 @@ def pipeline_time_s(schedule: Schedule | str, p: int, v: int, m: int, fwd_s: Seq
     steady_s (additive, per rank or stage): time in a rank's slot that only the steady state pays, not the
     fill and drain: X_r grows by it, Y_r does not. An unbatched pipeline's blocking receives (cost/estimate.py
     unbatched_p2p) are such time: in the fill and drain a receive waits for the same transfer the sender's
-    slot already carries along the chain."""
+    slot already carries along the chain. It may be negative: an overlapped p2p (cost/p2p.py p2p_overlapped,
+    Megatron-Core's interleaved schedule) is time the fill and drain wait for along the chain but the steady
+    state hides, so X_r loses it and Y_r keeps it."""
     _check(p, v, m)
     schedule = _schedule(schedule)
     fwd = _per_rank(fwd_s, p, v, "fwd_s")

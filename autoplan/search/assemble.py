@@ -147,7 +147,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
-    hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp)
+    hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp, v)
 
     # a rank's layers' collectives: per class of the mesh when its candidates share their parameters (a class
     # of quick_estimate's is a layer-table key), spread to the candidates, else per candidate

@@ -14,17 +14,21 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost.estimate import tied_pair
 from autoplan.cost.kernels import memory_time_s
+from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.p2p import (
     PARTITION_RECV_BWD,
     PARTITION_RECV_FWD,
     PARTITION_SEND_BWD,
     PARTITION_SEND_FWD,
+    overlapped_p2p_saving_s,
+    p2p_overlapped,
     partition_meta_bytes,
     partitioned_role_s,
 )
 from autoplan.plan.engine import Engine
-from autoplan.plan.types import ParallelConfig
-from autoplan.search.pricing import Mesh, config_of, price_rows
+from autoplan.plan.types import ParallelConfig, Schedule
+from autoplan.search.pricing import Mesh, config_of, per_mesh, price_rows
+from autoplan.search.space import SCHEDULES
 
 
 def _pp_crosses(cluster: ClusterSpec):
@@ -64,10 +68,12 @@ def _recv_gather(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: Clust
 
 
 def pipeline_hops(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
-                  engine: Engine, pp: int) -> tuple[Any, Any]:
+                  engine: Engine, pp: int, v: int = 1) -> tuple[Any, Any]:
     """(each rank's per-microbatch pipeline communication in its slot [n, p], the part only the steady state
     pays [n, p]), as cost.p2p.add_hop: each cut's p2p (with DeepSpeed's PartitionedTensor its meta
-    tensor too) and re-assembly on both sides, and for an unbatched pipeline each receive again, steady only."""
+    tensor too) and re-assembly on both sides, and for an unbatched pipeline each receive again, steady only;
+    an overlapped p2p (cost.p2p.p2p_overlapped: interleaved rows at v > 1) is taken off the steady state
+    instead (a negative steady part: cost.p2p.overlapped_p2p_saving_s)."""
     if pp == 1:
         return 0.0, 0.0
     out_bytes = np.asarray(extra["out_bytes"], dtype=float)
@@ -77,6 +83,8 @@ def pipeline_hops(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: Clus
         p2p = p2p + np.where(part, collective_p2p(partition_meta_bytes(c["tp"]).astype(float), sizes, cluster), 0.0)
     hops = extra["hops"] * (p2p + _recv_gather(out_bytes, c, cluster, sizes, engine))[:, None]
     steady = extra["hops"] * p2p[:, None] if not engine.pp_p2p_batched else 0.0
+    if p2p_overlapped(engine, Schedule.INTERLEAVED, v):
+        steady = _overlapped_steady(extra, c, cluster, sizes, p2p, steady)
     if engine.pp_partitioned_tensors:
         gather, cpu = _tp_gather(out_bytes * c["tp"], sizes, cluster), bool(cluster.device.cpu_cores)
         role = lambda r: partitioned_role_s(r, out_bytes, c["tp"], gather, cluster.device, cpu)
@@ -84,6 +92,19 @@ def pipeline_hops(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: Clus
         recv = np.where(part, role(PARTITION_RECV_FWD) + role(PARTITION_RECV_BWD), 0.0)
         hops = hops + extra["act_sends"] * send[:, None] + extra["act_recvs"] * recv[:, None]
     return hops, steady
+
+
+def _overlapped_steady(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
+                       p2p: np.ndarray, steady: Any) -> Any:
+    """pipeline_hops' steady part where the engine overlaps the p2p (cost.p2p.add_hop's overlapped branch): on
+    interleaved rows each hop's overlapped_p2p_saving_s at the pp communicator's contention_fraction comes off,
+    in place of an unbatched pipeline's receives."""
+    per_node = cluster.devices_per_node
+    frac = per_mesh(sizes, lambda config: contention_fraction(
+        cluster, comm.group_placement(config, ("pp",), per_node)), "pp-contention")
+    rows = (c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED))[:, None]
+    saved = extra["hops"] * overlapped_p2p_saving_s(p2p, frac)[:, None]
+    return np.where(rows, -saved, steady)
 
 
 def tied_reduce(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh, wire: float,
