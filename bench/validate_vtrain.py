@@ -1,7 +1,7 @@
 """Predict every vTrain ground-truth row (measured Megatron-DeepSpeed iteration times on A100 clusters)
 and print the error: MAPE, median APE and the worst rows, single- and multi-node separately.
 
-    python bench/validate_vtrain.py [--worst 8] [--rows]
+    python bench/validate_vtrain.py [--worst 8] [--rows] [--groups]
 
 The rows (bench/data/vtrain/*.csv, see its README and LICENSE): GPT with a 4h GELU MLP, vocabulary 50257,
 fp16, full recompute on every layer, 1F1B without interleaving, no ZeRO / SP / CP, no gradient
@@ -25,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autoplan
 
 from graphs import gpt_graph
+from vtrain_groups import print_groups
 
 from autoplan.cluster.load import Cluster
 from autoplan.cluster.types import ClusterSpec
@@ -94,15 +95,21 @@ def describe(row: dict[str, float]) -> str:
     return " ".join(f"{short}={row[k]:g}" for k, short in key.items() if k in row)
 
 
-def report(name: str, rows: list[dict[str, float]], worst: int, show_rows: bool) -> None:
-    engine = vtrain_engine()
-    errors = []
+def row_errors(rows: list[dict[str, float]],
+               engine: Engine) -> list[tuple[float, float, float, dict[str, float]]]:
+    """(signed error, predicted s, measured s, row) per row; error = predicted / measured - 1."""
+    out = []
     for row in rows:
         measured = row["iteration time (ms)"] / 1e3
         predicted = predict_s(row, engine)
-        errors.append(((predicted - measured) / measured, predicted, measured, row))
+        out.append(((predicted - measured) / measured, predicted, measured, row))
+    return out
+
+
+def report(name: str, errors: list[tuple[float, float, float, dict[str, float]]], worst: int,
+           show_rows: bool) -> None:
     apes = [abs(e[0]) for e in errors]
-    print(f"{name}: {len(rows)} rows  MAPE {100 * statistics.mean(apes):.1f} %  median APE "
+    print(f"{name}: {len(errors)} rows  MAPE {100 * statistics.mean(apes):.1f} %  median APE "
           f"{100 * statistics.median(apes):.1f} %  median signed error "
           f"{100 * statistics.median(e[0] for e in errors):+.1f} %")
     listing = errors if show_rows else sorted(errors, key=lambda e: -abs(e[0]))[:worst]
@@ -114,9 +121,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worst", type=int, default=8, help="worst rows to list per file")
     parser.add_argument("--rows", action="store_true", help="list every row, not only the worst")
+    parser.add_argument("--groups", action="store_true",
+                        help="also print the signed error grouped by model, t, p, d, micro batch, nodes and "
+                             "micro-batch count, and the share of the MAPE the rows past 10 %% carry")
     args = parser.parse_args()
-    report("multi-node", read_rows("ground_truth_multi.csv"), args.worst, args.rows)
-    report("single-node", read_rows("ground_truth_single.csv"), args.worst, args.rows)
+    engine = vtrain_engine()
+    for name, file in (("multi-node", "ground_truth_multi.csv"), ("single-node", "ground_truth_single.csv")):
+        errors = row_errors(read_rows(file), engine)
+        report(name, errors, args.worst, args.rows)
+        if args.groups:
+            print_groups(errors)
     return 0
 
 
