@@ -13,6 +13,7 @@ from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.compute import block_shape
 from autoplan.cost.experts import expert_dp_placement
+from autoplan.cost.fsdpunits import unit_numels
 from autoplan.cost.gradpasses import (
     ddp_grad_passes_s,
     grad_buffer_passes_s,
@@ -182,12 +183,19 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     fwd = [c.fwd_s + c.fwd_comm_s for c in rank.costs]
     bwd = [c.time_s - f for c, f in zip(rank.costs, fwd)]
 
-    def gathers(order: Sequence[int]) -> list[float]:
-        return [comm.all_gather_s(dense[i] * w, groups.dense, cluster)
+    # FSDP2's groups (cost/fsdpunits.py); a rank running several chunks has one root group per chunk: not
+    # modelled, each layer then moves its own
+    units = unit_numels(rank.layers, dense, engine) if engine.zero3 == "fsdp2" and config.virtual_stages == 1 else None
+    gather_f = list(units.fwd_gather) if units else dense
+    gather_b = list(units.bwd_gather) if units else dense
+    reduced = list(units.reduce) if units else dense
+
+    def gathers(order: Sequence[int], numels: Sequence[float]) -> list[float]:
+        return [comm.all_gather_s(numels[i] * w, groups.dense, cluster)
                 + comm.all_gather_s(expert[i] * w, groups.expert, cluster) for i in order]
 
     def reduces(order: Sequence[int]) -> list[float]:
-        d = _bucketed([dense[i] for i in order], engine.dp_bucket_numel,
+        d = _bucketed([reduced[i] for i in order], engine.dp_bucket_numel,
                       lambda n: reduce_fn(n * wire, groups.dense, cluster))
         e = _bucketed([expert[i] for i in order], engine.dp_bucket_numel,
                       lambda n: reduce_fn(n * wire, groups.expert, cluster))
@@ -201,6 +209,8 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     # stream (torch.distributed.fsdp _fsdp_param_group.wait_for_unshard -> foreach_all_gather_copy_out):
     # a read and a write of the unsharded weights per gather
     copy_out = memory_time_s(cluster.device, 2.0 * w * (sum(dense) + sum(expert))) if engine.gather_copy_out else 0.0
+    copy_out_b = (memory_time_s(cluster.device, 2.0 * w * (sum(gather_b) + sum(expert))) if engine.gather_copy_out
+                  else 0.0)  # the backward's gathers only (fsdpunits: a root or last block kept gathered)
     copy_in = reduce_copy_in_s(sum(dense) + sum(expert), cluster, layout, engine)
     dp_f = dp_b = 0.0
     if async_reduce(layout, engine):
@@ -210,13 +220,13 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
         dp_b += copy_in
         rank.dp_tail += tail
     if layout.weight_gathers_per_microbatch >= 2:
-        dp_f = _overlap(fwd, gathers(order), none, engine.param_gather_overlap, True, cluster, frac) + copy_out
+        dp_f = _overlap(fwd, gathers(order, gather_f), none, engine.param_gather_overlap, True, cluster, frac) + copy_out
     if not async_reduce(layout, engine) and (layout.weight_gathers_per_microbatch >= 1
                                              or layout.reduce_every_microbatch):
-        pre = gathers(back) if layout.weight_gathers_per_microbatch >= 1 else none
+        pre = gathers(back, gather_b) if layout.weight_gathers_per_microbatch >= 1 else none
         post = reduces(back) if layout.reduce_every_microbatch else none
         dp_b = _overlap(bwd[::-1], pre, post, engine.param_gather_overlap, engine.dp_comm_overlap, cluster, frac)
-        dp_b += copy_out if layout.weight_gathers_per_microbatch >= 1 else 0.0
+        dp_b += copy_out_b if layout.weight_gathers_per_microbatch >= 1 else 0.0
         dp_b += copy_in if layout.reduce_every_microbatch else 0.0
     rank.dp += dp_f + dp_b
     rank.fwd += dp_f
@@ -232,7 +242,7 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     if layout.weight_gathers_per_step:
         rank.param_gather += copy_out
         if engine.param_gather_overlap:
-            rank.param_gather += _overlap(fwd, gathers(order), none, True, True, cluster, frac)
+            rank.param_gather += _overlap(fwd, gathers(order, gather_f), none, True, True, cluster, frac)
         else:
             rank.param_gather += (comm.all_gather_s(sum(dense) * w, groups.dense, cluster)
                                   + comm.all_gather_s(sum(expert) * w, groups.expert, cluster))
