@@ -336,11 +336,13 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     layers = []
     for c, layer in zip(rank.costs, rank.layers):
         numels = layer_numels(layer, c, graph, config)
+        small = layer_small_numels(layer, c, graph, config) if engine.zero3_small_grad_hooks else []
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
         # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
         norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
         layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
-                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full))
+                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full,
+                                       small))
     fwd, bwd, hidden = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
                                        issue_s=issue, fill_s=fill_s, launch_s=launch,
                                        blocked_s=blocked)
