@@ -325,12 +325,18 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     launch = ds.CXX_COPY_OP * n * op if engine.zero3_gather_copy_out else 0.0
     blocked = ds.CXX_COPY_OP * max(n - ds.PENDING_LAUNCHES, 0) * op if engine.zero3_gather_copy_out else 0.0
 
-    def reduce_s(numel: float) -> float:
+    def reduce_s(numel: float, passes: float = 3.0) -> float:
         # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
         # flatten the bucket, divide by n, reduce, copy back into the gradients: three read + write passes
         fallback = engine.zero3_grad_reduction == "all_reduce"
-        passes = memory_time_s(cluster.device, 3.0 * 2.0 * numel * wire) if fallback else 0.0
-        return reduce_fn(numel * wire, groups.dense, cluster) + passes
+        copies = memory_time_s(cluster.device, passes * 2.0 * numel * wire) if fallback else 0.0
+        return reduce_fn(numel * wire, groups.dense, cluster) + copies
+
+    def single_s(numel: float) -> float:
+        # one gradient: util_ops.flatten -> torch::utils::flatten_dense_tensors returns a view of a single
+        # tensor (torch/csrc/utils/tensor_flatten.h), the copy back onto that same memory still runs (copy_
+        # short-circuits views of the same data only from pytorch/pytorch PR #88884, 2022-11): two passes
+        return reduce_s(numel, 2.0)
 
     full = config.recompute.value == "full"
     layers = []
@@ -345,7 +351,7 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
                                        small))
     fwd, bwd, hidden = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
                                        issue_s=issue, fill_s=fill_s, launch_s=launch,
-                                       blocked_s=blocked)
+                                       blocked_s=blocked, single_s=single_s)
     base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
     base_b = sum(c.time_s for c in rank.costs) - base_f
     exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)

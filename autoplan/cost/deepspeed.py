@@ -137,7 +137,8 @@ def block_modules(numels: Sequence[float], fwd_s: float, bwd_s: float, rec_s: fl
 def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: Engine, *, recompute: bool,
                  gather_s: Callable[[float], float], reduce_s: Callable[[float], float],
                  issue_s: float = 0.0, fill_s: Callable[[float], float] | None = None,
-                 launch_s: float = 0.0, blocked_s: float = 0.0) -> tuple[float, float, float]:
+                 launch_s: float = 0.0, blocked_s: float = 0.0,
+                 single_s: Callable[[float], float] | None = None) -> tuple[float, float, float]:
     """(forward, backward, hidden communication) seconds of one microbatch through `layers` (model order),
     each layer given as (its modules, its recomputed-forward modules). gather_s(numel) prices one
     parameter's all-gather on the communication stream, reduce_s(numel) one gradient bucket's
@@ -145,7 +146,8 @@ def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: En
     the zero fill of its output buffer that the device synchronize before the gather waits for, both on
     the compute stream's critical path, and launch_s the host time after it is enqueued (the copy-out
     launches), which runs while the gather moves data, but for blocked_s of it (the launches past the
-    stream's queue, PENDING_LAUNCHES), which follow the gather's end. Forward and backward are makespans
+    stream's queue, PENDING_LAUNCHES), which follow the gather's end; single_s(numel), if given, prices a
+    bucket holding one gradient instead of reduce_s. Forward and backward are makespans
     of _simulate, host time included; the hidden communication is the time collectives ran beside the compute."""
     sync = engine.zero3_sync_per_module
     fwd_steps = [_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
@@ -153,7 +155,8 @@ def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: En
                  for li, (mods, _) in enumerate(layers) for mi, m in enumerate(mods)]
     host = _Issue(before=issue_s, after=launch_s, blocked=blocked_s, fill=fill_s)
     fwd, hidden_f = _simulate(fwd_steps, engine, gather_s, host)
-    bwd, hidden_b = _simulate(_backward_steps(layers, engine, recompute, reduce_s, sync), engine, gather_s, host)
+    bucket = Bucket(limit=engine.zero3_reduce_bucket_numel, reduce_s=reduce_s, single_s=single_s)
+    bwd, hidden_b = _simulate(_backward_steps(layers, engine, recompute, bucket, sync), engine, gather_s, host)
     return fwd, bwd, hidden_f + hidden_b
 
 
@@ -294,7 +297,7 @@ def _step(m: Module, *, backward: bool, sync: bool) -> float:
     return dev + host if sync else dev
 
 
-def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: bool) -> list[_Step]:
+def _backward_steps(layers, engine: Engine, recompute: bool, bucket: Bucket, sync: bool) -> list[_Step]:
     """Layers in reverse: the recomputed forward (gathering again; a module stays gathered if fewer than
     zero3_max_reuse_numel elements are used between its recomputed forward and its backward: stage3.py
     _keep_for_later -> get_reuse_distance_in_numel sums the parameters of the traced sub-modules in
@@ -308,7 +311,6 @@ def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: boo
     after, gpt_grad_hooks) fill the buckets too, at their hooks: a bucket that one of them flushes before a
     fetch is reduced while the host waits for that gather, beside no compute."""
     steps: list[_Step] = []
-    bucket = Bucket(limit=engine.zero3_reduce_bucket_numel, reduce_s=reduce_s)
     for li in reversed(range(len(layers))):
         mods, recs = layers[li]
         if recompute:
@@ -325,7 +327,7 @@ def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: boo
                                partitioned=_partitioned(m, engine), keep=False, pre=bucket.arrive(m.grads_before),
                                reduce=bucket.arrive((m.numel, *m.grads_with)), post=bucket.arrive(m.grads_after)))
     if bucket.numel and steps:
-        steps[-1] = dataclasses.replace(steps[-1], post=(*steps[-1].post, reduce_s(bucket.numel)))
+        steps[-1] = dataclasses.replace(steps[-1], post=(*steps[-1].post, bucket.flush()))
     return steps
 
 

@@ -40,7 +40,9 @@ class Bucket:
 
     limit: float
     reduce_s: Callable[[float], float]
+    single_s: Callable[[float], float] | None = None  # a bucket of one gradient, where it costs less
     numel: float = 0.0
+    tensors: int = 0
 
     def arrive(self, numels: Sequence[float]) -> tuple[float, ...]:
         """The reductions (seconds) the hooks of these gradients issue, in order: each reduces the bucket
@@ -48,10 +50,16 @@ class Bucket:
         out = []
         for n in numels:
             if self.numel > 0 and self.numel + n > self.limit:
-                out.append(self.reduce_s(self.numel))
-                self.numel = 0.0
-            self.numel += n
+                out.append(self.flush())
+            self.numel, self.tensors = self.numel + n, self.tensors + 1
         return tuple(out)
+
+    def flush(self) -> float:
+        """The bucket's reduction (seconds); it is empty after."""
+        one = self.tensors == 1 and self.single_s is not None
+        seconds = self.single_s(self.numel) if one else self.reduce_s(self.numel)
+        self.numel, self.tensors = 0.0, 0
+        return seconds
 
 
 def fetch_wait_share(numels: Sequence[float], small: Sequence[float], limit: float) -> float:

@@ -13,7 +13,7 @@ import pytest
 from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
 
 from autoplan import cost
-from autoplan.cost.zero3_grads import fetch_wait_share
+from autoplan.cost.zero3_grads import Bucket, fetch_wait_share
 from autoplan.plan.engine import Engine
 
 DS = cost.deepspeed
@@ -74,6 +74,17 @@ def test_a_bucket_flushed_before_a_fetch_is_reduced_beside_no_compute() -> None:
     on = DS.microbatch_s(_layers(1, SMALL, bwd), _engine(), recompute=False, gather_s=lambda n: g, reduce_s=reduce)[1]
     assert off == pytest.approx(4 * g + bwd + r)
     assert on == pytest.approx(4 * g + bwd + 2 * r)
+
+
+def test_a_bucket_of_one_gradient_is_priced_apart() -> None:
+    """DeepSpeed's flatten of a one-gradient bucket is a view (torch::utils::flatten_dense_tensors), so
+    cost.dataparallel prices it with one pass fewer (single_s). Gradients 4, 4, 4, 8 into 10-element
+    buckets, by hand: the third 4 flushes [4, 4] (two gradients: reduce_s(8)), the 8 flushes [4] (one:
+    single_s(4)), the end flushes [8] (single_s(8))."""
+    bucket = Bucket(limit=10, reduce_s=lambda n: 100.0 + n, single_s=lambda n: n)
+    assert bucket.arrive([4, 4, 4, 8]) == (108.0, 4.0)
+    assert bucket.flush() == 8.0 and bucket.numel == 0.0
+    assert Bucket(limit=10, reduce_s=lambda n: 100.0 + n).arrive([8, 8]) == (108.0,)  # no single_s: reduce_s
 
 
 def test_the_quick_estimate_share_is_the_elements_flushed_before_a_fetch() -> None:
