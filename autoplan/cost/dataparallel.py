@@ -341,25 +341,33 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     launch = ds.CXX_COPY_OP * n * op if engine.zero3_gather_copy_out else 0.0
     blocked = ds.CXX_COPY_OP * max(n - ds.PENDING_LAUNCHES, 0) * op if engine.zero3_gather_copy_out else 0.0
 
-    def reduce_s(numel: float) -> float:
+    def reduce_s(numel: float, passes: float = 3.0) -> float:
         # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
         # flatten the bucket, divide by n, reduce, copy back into the gradients: three read + write passes
         fallback = engine.zero3_grad_reduction == "all_reduce"
-        passes = memory_time_s(cluster.device, 3.0 * 2.0 * numel * wire) if fallback else 0.0
-        return reduce_fn(numel * wire, groups.dense, cluster) + passes
+        copies = memory_time_s(cluster.device, passes * 2.0 * numel * wire) if fallback else 0.0
+        return reduce_fn(numel * wire, groups.dense, cluster) + copies
+
+    def single_s(numel: float) -> float:
+        # one gradient: util_ops.flatten -> torch::utils::flatten_dense_tensors returns a view of a single
+        # tensor (torch/csrc/utils/tensor_flatten.h), the copy back onto that same memory still runs (copy_
+        # short-circuits views of the same data only from pytorch/pytorch PR #88884, 2022-11): two passes
+        return reduce_s(numel, 2.0)
 
     full = config.recompute.value == "full"
     layers = []
     for c, layer in zip(rank.costs, rank.layers):
         numels = layer_numels(layer, c, graph, config)
+        small = layer_small_numels(layer, c, graph, config) if engine.zero3_small_grad_hooks else []
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
         # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
         norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
         layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
-                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full))
+                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full,
+                                       small))
     fwd, bwd, hidden = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
                                        issue_s=issue, fill_s=fill_s, launch_s=launch,
-                                       blocked_s=blocked)
+                                       blocked_s=blocked, single_s=single_s)
     base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
     base_b = sum(c.time_s for c in rank.costs) - base_f
     exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)

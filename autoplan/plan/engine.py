@@ -100,6 +100,7 @@ class Engine:
     zero3_regather_persistent: bool = False  # the step ends by re-gathering the persistent parameters rank by rank
     zero3_trace_aligned: bool = True  # the recorded sub-module trace lines up with the step counter: prefetch and keep-for-later work
     zero3_serial_grad_checks: bool = False  # the step checks overflow and sums the gradient norm one parameter at a time, reading each result on the host
+    zero3_small_grad_hooks: bool = False  # the small (persistent) parameters' gradient hooks fill and flush the reduce buckets in autograd's order
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:

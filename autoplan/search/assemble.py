@@ -200,7 +200,9 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     # asynchronous reductions), where any candidate reduces asynchronously
     floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce, 0.0)) if np.any(asyn) else None)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
-    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac)
+    flushed = np.asarray(extra.get("ds_fetch_wait_share", 0.0), dtype=float).reshape(-1, 1)
+    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac,
+                            flushed)
     x = f["time"] + hops + dp_f + dp_b
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
@@ -254,12 +256,13 @@ def _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine) -> np.
     return out
 
 
-def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac):
+def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac, flushed=0.0):
     """DeepSpeed stage 3 (cost/deepspeed.py) for equal layers: each layer's parameters gathered in forward,
     again for a full recompute, again in backward, the buckets reduced as they fill; the host launches of
     the copy-out delay the compute. With prefetch (param_gather_overlap and zero3_trace_aligned) one sub-
     module ahead; without, each gather is waited for and each bucket's reduction hides behind the next
-    backward sub-module's compute (_deepspeed_serial)."""
+    backward sub-module's compute (_deepspeed_serial), but for the share `flushed` that a small gradient's hook
+    flushes just before a fetch (cost.zero3_grads.fetch_wait_share), reduced beside nothing."""
     if not mask.any():
         return dp_f, dp_b
     dense = f["dense_params"] + f["expert_params"]
@@ -280,7 +283,8 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     host_b = f["host"] - host_f if engine.zero3_sync_per_module else 0.0 * one
     if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
         exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
-                                                 np.maximum(after, one + blocked), red, buckets, modules, gathers)
+                                                 np.maximum(after, one + blocked), red, buckets, modules, gathers,
+                                                 flushed)
         exp_f, exp_b = exp_f + host_f, exp_b + host_b
         return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + frac * hidden, dp_b)
     comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
@@ -291,15 +295,16 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + pen, dp_b)
 
 
-def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers):
+def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers, share=0.0):
     """(forward, backward exposed, hidden) seconds of stage 3 without prefetch, for equal sub-modules: every
     gather waited for (the views built before it, the copy-out launches while it runs), each bucket's
-    reduction beside the next backward sub-module's compute (its share of `bwd`), the last after it."""
+    reduction beside the next backward sub-module's compute (its share of `bwd`), but for `share` of them
+    (flushed before a fetch: exposed), the last after it."""
     gather = before + np.maximum(one, after)  # after: the launches (those past the stream's queue follow the gather)
     per_red = red / buckets
     beside = bwd / (modules * (gathers - 1.0))
-    hidden = (buckets - 1.0) * np.minimum(per_red, beside)
-    exposed_red = (buckets - 1.0) * np.maximum(per_red - beside, 0.0) + per_red
+    hidden = (1.0 - share) * (buckets - 1.0) * np.minimum(per_red, beside)
+    exposed_red = (buckets - 1.0) * ((1.0 - share) * np.maximum(per_red - beside, 0.0) + share * per_red) + per_red
     return gather * modules, gather * modules * (gathers - 1.0) + exposed_red, hidden
 
 
