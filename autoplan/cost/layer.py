@@ -77,14 +77,15 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
     cp_fwd, cp_total = _cp_comm_s(shape, cluster, config, recompute, tokens * config.cp, dbytes,
                                   times.attention_fwd_s, engine)
     ep_fwd, ep_total = _ep_comm_s(shape, cluster, config, recompute, tokens, dbytes)
-    fwd_s, bwd_s, rec_s = _with_host(times, recompute, layer, serial=bool(cluster.device.cpu_cores))
+    serial = bool(cluster.device.cpu_cores) or engine.launch_blocking
+    fwd_s, bwd_s, rec_s = _with_host(times, recompute, layer, serial=serial)
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=times.bwd_weight_s, recompute_s=rec_s,
         tp_comm_s=tp_total, cp_comm_s=cp_total, ep_comm_s=ep_total,
         act_mem_bytes=int(held), param_count=param_count, grad_param_count=dense, expert_param_count=expert,
         output_bytes=int(hidden_bytes / config.tp), work_mem_bytes=int(work),
         fwd_comm_s=tp_fwd + cp_fwd + ep_fwd, host_s=_host_total(times, recompute, layer),
-        fresh_grad_saving_s=_fresh_saving_s(times, recompute, layer, bwd_s, serial=bool(cluster.device.cpu_cores)),
+        fresh_grad_saving_s=_fresh_saving_s(times, recompute, layer, bwd_s, serial=serial),
         device_s=times.fwd_s + times.bwd_s + (times.recompute_s if layer.role is LayerRole.BLOCK else 0.0),
     )
 
@@ -102,7 +103,9 @@ def _with_host(times: ComputeTimes, recompute: Recompute, layer: Layer,
     max(device time, host time) (H. He, "Making Deep Learning Go Brrrr From First Principles", 2022:
     an overhead-bound model runs at the host's pace), a fully recomputed forward issuing its forward's
     ops again. Small layers at small microbatches are bound by it. `serial` (a CPU rank: the thread that
-    issues an op also computes it, torch's CPU kernels run synchronously): host and device times add.
+    issues an op also computes it, torch's CPU kernels run synchronously; or a GPU under Engine.launch_blocking,
+    CUDA_LAUNCH_BLOCKING=1: each launch returns only when its kernel has run, so the host prepares the next
+    op while the device idles, and the device runs while the host waits): host and device times add.
     The block's device-synchronising copies (times.sync_fwd_s) add to the forward and to a fully
     recomputed forward after that: neither the host nor the device runs during them."""
     combine = (lambda a, b: a + b) if serial else max

@@ -1,0 +1,93 @@
+"""Engine.launch_blocking (CUDA_LAUNCH_BLOCKING=1, BLOOM-176B's launch script): every kernel launch returns
+only when its kernel has run, so a layer's host time (its ops at op_overhead_s) adds to its device time
+instead of hiding under it, a device-synchronising copy costs only its own latency (the queue is already
+empty), and an engine that would overlap anything is refused. Checked against hand counts of the ops, and
+the quick estimate against the exact model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
+
+from autoplan.cost import estimate_layer
+from autoplan.cost.compute import H2D_SYNC_COPY_S
+from autoplan.plan.engine import OVERLAP_FIELDS, Engine
+from autoplan.plan.types import ParallelConfig
+
+OP = 1.0e-5  # host seconds per op (the shipped A100 profiles' op_overhead_s)
+BASE = a100_cluster()
+CLUSTER = dataclasses.replace(BASE, dtype="bf16", device=dataclasses.replace(BASE.device, op_overhead_s=OP))
+ASYNC = dataclasses.replace(Engine.load("megatron-deepspeed"), block_forward_syncs=0)
+BLOCKING = dataclasses.replace(ASYNC, launch_blocking=True)
+
+
+def _block_times(engine: Engine, recompute: str = "none", h: int = 2048, op: float = OP):
+    block = gpt_graph(h=h, a=16, layers=1, seq=1024, vocab=4096, unfused=True).blocks[0]
+    cluster = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, op_overhead_s=op))
+    return estimate_layer(block, cluster, ParallelConfig(microbatch=2), recompute, seq_len=1024, engine=engine)
+
+
+def test_host_time_adds_to_the_device_time_of_a_device_bound_block() -> None:
+    """A block whose kernels outlast its host work: asynchronous, a phase is max(device, host) = device;
+    blocking, device + host, so the phases grow by exactly the engine's op counts x op_overhead_s
+    (megatron-deepspeed.yaml: 86 forward, 92 backward)."""
+    fast, slow = _block_times(ASYNC), _block_times(BLOCKING)
+    assert fast.fwd_s > 86 * OP and fast.bwd_s > 92 * OP  # device-bound, so asynchronous hides the host
+    assert math.isclose(slow.fwd_s - fast.fwd_s, 86 * OP, rel_tol=1e-9)
+    assert math.isclose(slow.bwd_s - fast.bwd_s, 92 * OP, rel_tol=1e-9)
+
+
+def test_a_full_recompute_pays_its_ops_and_the_checkpoint_wrappers_in_series() -> None:
+    """Full recompute: the forward issues the block's 86 ops and the checkpoint's 6, the recomputed forward
+    86 again, the backward 92 and the checkpoint's 15 (megatron-deepspeed.yaml)."""
+    fast, slow = _block_times(ASYNC, "full"), _block_times(BLOCKING, "full")
+    assert math.isclose(slow.fwd_s - fast.fwd_s, (86 + 6) * OP, rel_tol=1e-9)
+    assert math.isclose(slow.recompute_s - fast.recompute_s, 86 * OP, rel_tol=1e-9)
+    assert math.isclose(slow.bwd_s - fast.bwd_s, (92 + 15) * OP, rel_tol=1e-9)
+
+
+def test_a_synchronising_copy_costs_only_its_latency_when_launches_block() -> None:
+    """Asynchronous: each of the 2 copies adds H2D_SYNC_COPY_S + op_overhead_s after max(device, host) (the
+    drained device idles while the host issues the next op); blocking, that issue is already in the serial
+    host time, so each copy adds H2D_SYNC_COPY_S."""
+    syncs = {e: dataclasses.replace(e, block_forward_syncs=2) for e in (ASYNC, BLOCKING)}
+    fast, slow = _block_times(syncs[ASYNC]), _block_times(syncs[BLOCKING])
+    assert math.isclose(fast.fwd_s - _block_times(ASYNC).fwd_s, 2 * (H2D_SYNC_COPY_S + OP), rel_tol=1e-9)
+    assert math.isclose(slow.fwd_s - _block_times(BLOCKING).fwd_s, 2 * H2D_SYNC_COPY_S, rel_tol=1e-9)
+
+
+def test_a_host_bound_block_adds_the_device_time_instead() -> None:
+    """A tiny block (h 64) whose 86 forward ops outlast its kernels: asynchronous, the forward is the host's
+    86 x op_overhead_s; blocking, that plus the kernels' time (the forward with no host cost at all)."""
+    fast, slow = _block_times(ASYNC, h=64), _block_times(BLOCKING, h=64)
+    device = _block_times(ASYNC, h=64, op=0.0).fwd_s
+    assert 0.0 < device < 86 * OP  # host-bound
+    assert math.isclose(fast.fwd_s, 86 * OP, rel_tol=1e-9)
+    assert math.isclose(slow.fwd_s, device + 86 * OP, rel_tol=1e-9)
+
+
+def test_an_overlapping_engine_cannot_block_its_launches() -> None:
+    """Under CUDA_LAUNCH_BLOCKING a collective's launch returns when it has run: nothing overlaps it, so
+    every overlap field left true is named in the error."""
+    with pytest.raises(ValueError, match="'dp_comm_overlap', 'param_gather_overlap'"):
+        dataclasses.replace(Engine.load("torchtitan"), launch_blocking=True)
+    assert all(not getattr(BLOCKING, f) for f in OVERLAP_FIELDS)
+    assert all(not Engine.load(name).launch_blocking for name in Engine.names())  # asynchronous by default
+
+
+def test_the_quick_estimate_adds_what_the_exact_model_adds() -> None:
+    """search/surrogate.py reads the same per-layer costs (estimate_layer under the engine): the step-time
+    change from blocking launches agrees row by row."""
+    from autoplan.search.space import SearchOptions, enumerate_space
+
+    graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096, unfused=True)
+    space = enumerate_space(graph, CLUSTER, SearchOptions(global_batch=16))
+    rows = [i for i in range(len(space)) if space.config(i).dp * space.config(i).tp * space.config(i).pp == 8][:6]
+    assert rows
+    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, CLUSTER, space, rows, 16, e) for e in (BLOCKING, ASYNC))
+    assert np.all(e_on - e_off > 0)
+    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
