@@ -105,7 +105,8 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     stages = (default_split(graph, cluster, config, global_batch) if stages is None
               else check_stages(graph, stages, p * v))
     placement = stage_ranks(config)  # the executor places stages with the same function
-    layout = zero_layout(config, m, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
+    layout = zero_layout(config, m, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync,
+                         zero1_all_reduce=engine.zero1_all_reduce)
     envs: dict[int, StageEnv] = {}
     for view in views:
         if id(view) not in envs:

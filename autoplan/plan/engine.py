@@ -105,6 +105,7 @@ class Engine:
     # host's time per op adds to the device's instead of hiding under it (cost/layer.py), and nothing the host
     # issues overlaps: every *_overlap field and grad_reduce_async must be false (checked below)
     launch_blocking: bool = False
+    zero1_all_reduce: bool = False  # ZeRO-1 reduces the full gradients with an all-reduce (each rank then updates its shard and all-gathers the weights), not a reduce-scatter: DeepSpeed's pipeline engine with its BF16_Optimizer (plan.layout.zero_layout)
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:

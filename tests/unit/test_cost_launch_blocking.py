@@ -91,3 +91,34 @@ def test_the_quick_estimate_adds_what_the_exact_model_adds() -> None:
     (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, CLUSTER, space, rows, 16, e) for e in (BLOCKING, ASYNC))
     assert np.all(e_on - e_off > 0)
     np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
+
+
+def test_zero1_all_reduce_doubles_the_gradient_reduction() -> None:
+    """Engine.zero1_all_reduce (DeepSpeed's pipeline engine under bf16: _bf16_reduce_grads all-reduces the
+    fp32 gradients, the BF16_Optimizer then all-gathers its updated shards): the exposed reduction after the
+    schedule grows by one all-reduce less one reduce-scatter of the 4-byte gradients (a ring all-reduce is a
+    reduce-scatter and an all-gather of the same bytes: about twice) plus the all-reduce's own passes over
+    the gradients (buffered_allreduce_fallback's flatten, scale, copy back: megatron-deepspeed.yaml
+    dp_grad_passes 3, a read and a write of 4 bytes each), the weight all-gather and the optimizer step
+    unchanged. The quick estimate moves with it."""
+    from autoplan.cost import estimate_config
+    from autoplan.cost.comm import all_reduce_s, group_placement, reduce_scatter_s
+    from autoplan.search.space import SearchOptions, enumerate_space
+
+    graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096, unfused=True)
+    config = ParallelConfig(dp=8, zero=1, microbatch=1)
+    rs, ar = (dataclasses.replace(ASYNC, zero1_all_reduce=flag) for flag in (False, True))
+    a, b = (estimate_config(graph, CLUSTER, config, global_batch=16, engine=e) for e in (rs, ar))
+    grads = sum(layer.num_params for layer in graph.layers) - graph.tied_embedding_params
+    group = group_placement(config, ("dp",), CLUSTER.devices_per_node)
+    one_rs, one_ar = (f(4.0 * grads, group, CLUSTER) for f in (reduce_scatter_s, all_reduce_s))
+    assert 1.8 < one_ar / one_rs <= 2.0
+    passes = 3 * 2 * 4.0 * grads / (CLUSTER.device.mem_bw_bytes_per_s * CLUSTER.device.mem_bw_efficiency)
+    assert b.breakdown["dp_comm"] - a.breakdown["dp_comm"] == pytest.approx(one_ar - one_rs + passes, rel=1e-6)
+    assert b.breakdown["optimizer"] == a.breakdown["optimizer"]
+    space = enumerate_space(graph, CLUSTER, SearchOptions(global_batch=16))
+    rows = [i for i in range(len(space)) if space.config(i).zero == 1 and space.config(i).dp == 8][:4]
+    assert rows
+    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, CLUSTER, space, rows, 16, e) for e in (ar, rs))
+    assert np.all(e_on - e_off > 0)
+    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
