@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from autoplan.cluster.types import ClusterSpec
+from autoplan.cluster.types import ClusterSpec, DeviceSpec
 from autoplan.cost import comm
 from autoplan.cost.compute import BlockShape, ComputeTimes, block_shape, expert_divisor, layer_compute
 from autoplan.cost.experts import folded_expert_comm_s
+from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.memory import block_activation_bytes, layer_param_counts, other_activation_bytes
 from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.types import LayerCost
@@ -72,6 +73,8 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
         held, work = other_activation_bytes(layer, scale, config, recompute, ratio)
         hidden_bytes = layer.output_bytes * scale * ratio
     param_count, dense, expert = layer_param_counts(layer, shape, config, engine)
+    hp = hp_grad_update_s(dense + expert, device, engine)
+    times = dataclasses.replace(times, bwd_s=times.bwd_s + hp) if hp else times
     tp_fwd, tp_total = _tp_comm_s(layer, shape, cluster, config, recompute, hidden_bytes, scale * ratio,
                                   times, engine)
     cp_fwd, cp_total = _cp_comm_s(shape, cluster, config, recompute, tokens * config.cp, dbytes,
@@ -88,6 +91,25 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
         fresh_grad_saving_s=_fresh_saving_s(times, recompute, layer, bwd_s, serial=serial),
         device_s=times.fwd_s + times.bwd_s + (times.recompute_s if layer.role is LayerRole.BLOCK else 0.0),
     )
+
+
+# DeepSpeed's BF16_Optimizer.update_hp_grads (deepspeed/runtime/bf16_optimizer.py, 2022: `hp_grad.data.add_(
+# lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))`) per gradient element: the cast reads the bf16 gradient
+# (2) and writes an fp32 copy (4), the add_ reads that copy and the fp32 gradient (4 + 4) and writes it (4)
+HP_GRAD_UPDATE_BYTES = 2 + 4 + 4 + 4 + 4
+
+
+def hp_grad_update_s(numel: float, device: DeviceSpec, engine: Engine) -> float:
+    """What Engine.bf16_optimizer_grads adds to each microbatch's backward on the compute stream: DeepSpeed's
+    pipeline engine calls BF16_Optimizer.update_hp_grads after every backward (deepspeed/runtime/pipe/
+    engine.py _exec_backward_pass: "manually call because we don't call optimizer.backward()"; the last
+    stage's engine.backward -> BF16_Optimizer.backward does the same), a memory-bound pass of
+    HP_GRAD_UPDATE_BYTES over the layer's `numel` local gradients. Its clear_lp_grads before the backward
+    (`param.grad = None`) makes every microbatch's gradients fresh (estimate.fresh_grad_share). 0 without
+    the field."""
+    if not engine.bf16_optimizer_grads or numel <= 0:
+        return 0.0
+    return memory_time_s(device, HP_GRAD_UPDATE_BYTES * numel)
 
 
 def _nonmatmul_ratio(cluster: ClusterSpec) -> float:

@@ -137,7 +137,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     schedule column is not read: rows equal but for it give the same terms); arguments as assemble's, `m`
     each row's microbatches per step (needed with Engine.grad_freed_after_reduce)."""
     lay = layouts(c, engine)
-    if engine.grad_freed_after_reduce and "fresh" in f:  # as cost.estimate.with_fresh_grads
+    if (engine.grad_freed_after_reduce or engine.bf16_optimizer_grads) and "fresh" in f:  # as estimate.with_fresh_grads
         assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
         cut = f["fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine)
         f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}

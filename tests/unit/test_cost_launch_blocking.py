@@ -1,8 +1,9 @@
 """Engine.launch_blocking (CUDA_LAUNCH_BLOCKING=1, BLOOM-176B's launch script): every kernel launch returns
 only when its kernel has run, so a layer's host time (its ops at op_overhead_s) adds to its device time
 instead of hiding under it, a device-synchronising copy costs only its own latency (the queue is already
-empty), and an engine that would overlap anything is refused. Checked against hand counts of the ops, and
-the quick estimate against the exact model."""
+empty), and an engine that would overlap anything is refused. Also the two DeepSpeed bf16 fields BLOOM's
+records set (Engine.zero1_all_reduce, Engine.bf16_optimizer_grads). Checked against hand counts of the ops
+and bytes, and the quick estimate against the exact model."""
 
 from __future__ import annotations
 
@@ -121,4 +122,37 @@ def test_zero1_all_reduce_doubles_the_gradient_reduction() -> None:
     assert rows
     (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, CLUSTER, space, rows, 16, e) for e in (ar, rs))
     assert np.all(e_on - e_off > 0)
+    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
+
+
+def test_bf16_optimizer_casts_every_microbatchs_gradients_into_fp32() -> None:
+    """Engine.bf16_optimizer_grads (DeepSpeed's pipeline engine: clear_lp_grads before each backward,
+    update_hp_grads after it): each microbatch's backward grows by the cast + add pass, 2 + 4 + 4 + 4 + 4 bytes
+    per local gradient element at streaming bandwidth, and every microbatch's gradients are fresh (the
+    GEMMs write them once, 2 bytes, instead of accumulating 4 + 4), so the step's compute changes by
+    m x (the passes - the fresh saving) summed over the layers. The quick estimate moves with it."""
+    from autoplan.cost import estimate_config
+    from autoplan.search.space import SearchOptions, enumerate_space
+
+    rate = CLUSTER.device.mem_bw_bytes_per_s * CLUSTER.device.mem_bw_efficiency
+    on = dataclasses.replace(ASYNC, bf16_optimizer_grads=True)
+    block = gpt_graph(h=2048, a=16, layers=1, seq=1024, vocab=4096, unfused=True).blocks[0]
+    a, b = _block_times(ASYNC), _block_times(on)
+    assert math.isclose(b.bwd_s - a.bwd_s, 18.0 * block.num_params / rate, rel_tol=1e-9)
+
+    # an Ampere device whose GEMMs write their output after the mainloop, so a fresh gradient saves time, and
+    # no host cost, so these small blocks stay device-bound (test_cost_fresh_grads.py's device)
+    cluster = dataclasses.replace(CLUSTER, device=dataclasses.replace(CLUSTER.device, num_sms=108,
+                                                                      gemm_epilogue_overlap=False, op_overhead_s=0.0))
+    graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096, unfused=True)
+    config, m = ParallelConfig(dp=8, microbatch=1), 4
+    steps = [estimate_config(graph, cluster, config, global_batch=8 * m, engine=e) for e in (ASYNC, on)]
+    layers = [(estimate_layer(x, cluster, config, "none", seq_len=512, engine=on), x) for x in graph.layers]
+    assert sum(c.fresh_grad_saving_s for c, _ in layers) > 0
+    hand = m * sum(18.0 * x.num_params / rate - c.fresh_grad_saving_s for c, x in layers)  # every microbatch fresh
+    assert steps[1].breakdown["compute"] - steps[0].breakdown["compute"] == pytest.approx(hand, rel=1e-6)
+    space = enumerate_space(graph, cluster, SearchOptions(global_batch=16))
+    rows = [i for i in range(len(space)) if space.config(i).pp == 1 and space.config(i).dp == 8][:4]
+    assert rows
+    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, cluster, space, rows, 16, e) for e in (on, ASYNC))
     np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
