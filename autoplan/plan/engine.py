@@ -105,6 +105,7 @@ class Engine:
     # host's time per op adds to the device's instead of hiding under it (cost/layer.py), and nothing the host
     # issues overlaps: every *_overlap field and grad_reduce_async must be false (checked below)
     launch_blocking: bool = False
+    score_bias_input: bool = False  # the materialised attention scores start from a bias broadcast over them (ALiBi as baddbmm's input, beta != 0): a write and a read of the scores more per forward (cost/passes.py)
     bf16_optimizer_grads: bool = False  # DeepSpeed's BF16_Optimizer under its pipeline engine: every microbatch's backward starts with the bf16 .grads None (clear_lp_grads) and ends by casting each into the fp32 gradient (update_hp_grads): fresh gradients every microbatch and a cast + add pass per parameter (cost/layer.py hp_grad_update_s); bf16 runs only
     zero1_all_reduce: bool = False  # ZeRO-1 reduces the full gradients with an all-reduce (each rank then updates its shard and all-gathers the weights), not a reduce-scatter: DeepSpeed's pipeline engine with its BF16_Optimizer (plan.layout.zero_layout)
     source: str = ""  # the file it came from

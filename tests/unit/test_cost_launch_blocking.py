@@ -156,3 +156,19 @@ def test_bf16_optimizer_casts_every_microbatchs_gradients_into_fp32() -> None:
     assert rows
     (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, cluster, space, rows, 16, e) for e in (on, ASYNC))
     np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
+
+
+def test_a_score_bias_input_writes_and_reads_the_scores_once_more_per_forward() -> None:
+    """Engine.score_bias_input (BLOOM's ALiBi as baddbmm's input, beta != 0): the expanded bias is copied into
+    the scores and cuBLAS reads it back, 2 x 2 bytes per score of the b x heads x s x s matrix at streaming
+    bandwidth, in the forward (inside the attention core, so a full recompute pays it again) and not in the
+    backward."""
+    rate = CLUSTER.device.mem_bw_bytes_per_s * CLUSTER.device.mem_bw_efficiency
+    on = dataclasses.replace(ASYNC, score_bias_input=True)
+    scores = 2 * 16 * 1024 * 1024  # microbatch 2, 16 heads, 1024 x 1024
+    for recompute in ("none", "full"):
+        a, b = _block_times(ASYNC, recompute), _block_times(on, recompute)
+        assert math.isclose(b.fwd_s - a.fwd_s, 4.0 * scores / rate, rel_tol=1e-9)
+        assert math.isclose(b.bwd_s, a.bwd_s, rel_tol=1e-12)
+    a, b = _block_times(ASYNC, "full"), _block_times(on, "full")
+    assert math.isclose(b.recompute_s - a.recompute_s, 4.0 * scores / rate, rel_tol=1e-9)
