@@ -277,8 +277,8 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
     full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
     share = np.where(full, 0.25, 1.0 / 3.0)  # forward : recompute : backward host = 1 : 1 : 2 (block_modules)
-    host_f = f["host"] * share if engine.zero3_sync_per_module else 0.0 * one
-    host_b = f["host"] - host_f if engine.zero3_sync_per_module else 0.0 * one
+    host_f = f["host"] * share if ds.sync_adds_host(engine) else 0.0 * one
+    host_b = f["host"] - host_f if ds.sync_adds_host(engine) else 0.0 * one
     if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
         exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
                                                  np.maximum(after, one + blocked), red, buckets, modules, gathers)

@@ -172,3 +172,24 @@ def test_a_score_bias_input_writes_and_reads_the_scores_once_more_per_forward() 
         assert math.isclose(b.bwd_s, a.bwd_s, rel_tol=1e-12)
     a, b = _block_times(ASYNC, "full"), _block_times(on, "full")
     assert math.isclose(b.recompute_s - a.recompute_s, 4.0 * scores / rate, rel_tol=1e-9)
+
+
+def test_deepspeed_stage3_counts_the_host_once_when_launches_block() -> None:
+    """DeepSpeed ZeRO-3 with zero3_sync_per_module adds each sub-module's host time to its kernels (the sync
+    empties the queue); under launch_blocking the layer costs already hold device + host, so the sub-module
+    adds nothing more (cost/deepspeed.sync_adds_host): a device-bound step is unchanged by blocking, and the
+    quick estimate (search/assemble.py) moves exactly as the exact model does."""
+    from autoplan.cost import deepspeed as ds
+    from autoplan.search.space import SearchOptions, enumerate_space
+
+    base = dataclasses.replace(Engine.load("deepspeed"), dp_comm_overlap=False, param_gather_overlap=False,
+                               zero3_sync_per_module=True)
+    on = dataclasses.replace(base, launch_blocking=True)
+    assert ds.sync_adds_host(base) and not ds.sync_adds_host(on)
+    graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096, unfused=True)
+    space = enumerate_space(graph, CLUSTER, SearchOptions(global_batch=16))
+    rows = [i for i in range(len(space)) if space.config(i).zero == 3 and space.config(i).dp == 8
+            and space.config(i).pp == 1][:4]
+    assert rows
+    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, CLUSTER, space, rows, 16, e) for e in (on, base))
+    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6, atol=1e-12)
