@@ -149,7 +149,7 @@ def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: En
     stream's queue, PENDING_LAUNCHES), which follow the gather's end; single_s(numel), if given, prices a
     bucket holding one gradient instead of reduce_s. Forward and backward are makespans
     of _simulate, host time included; the hidden communication is the time collectives ran beside the compute."""
-    sync = engine.zero3_sync_per_module
+    sync = sync_adds_host(engine)
     fwd_steps = [_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
                        partitioned=_partitioned(m, engine), keep=False)
                  for li, (mods, _) in enumerate(layers) for mi, m in enumerate(mods)]
@@ -287,6 +287,13 @@ def _intersection(a: list[tuple[float, float]], b: list[tuple[float, float]]) ->
 
 def _partitioned(m: Module, engine: Engine) -> bool:
     return m.numel >= engine.zero3_persistence_numel
+
+
+def sync_adds_host(engine: Engine) -> bool:
+    """Whether a sub-module's host time adds to its kernels here: after zero3_sync_per_module's device sync
+    the queue is empty, so the host cannot run ahead; under launch_blocking the layer costs already add them
+    (cost/layer.py _with_host), so adding again would count the host twice."""
+    return engine.zero3_sync_per_module and not engine.launch_blocking
 
 
 def _step(m: Module, *, backward: bool, sync: bool) -> float:

@@ -20,6 +20,9 @@ SELECTIVE_KINDS = ("attention", "op")
 ZERO3_KINDS = ("fsdp2", "deepspeed")
 GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
 RMSNORM_KINDS = ("eager", "eager_fp32", "fused")
+# what an engine overlaps with the compute it issues from the same host thread (none under launch_blocking)
+OVERLAP_FIELDS = ("tp_comm_overlap", "tp_bwd_overlap", "dp_comm_overlap", "param_gather_overlap", "cp_comm_overlap",
+                  "grad_reduce_async")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +104,15 @@ class Engine:
     zero3_trace_aligned: bool = True  # the recorded sub-module trace lines up with the step counter: prefetch and keep-for-later work
     zero3_serial_grad_checks: bool = False  # the step checks overflow and sums the gradient norm one parameter at a time, reading each result on the host
     zero3_small_grad_hooks: bool = False  # the small (persistent) parameters' gradient hooks fill and flush the reduce buckets in autograd's order
+    # CUDA_LAUNCH_BLOCKING=1 (CUDA C Programming Guide, "Asynchronous Concurrent Execution": "Programmers can
+    # globally disable asynchronicity of kernel launches for all CUDA applications running on a system by setting
+    # the CUDA_LAUNCH_BLOCKING environment variable to 1"): every launch returns when its kernel has run, so the
+    # host's time per op adds to the device's instead of hiding under it (cost/layer.py), and nothing the host
+    # issues overlaps: every *_overlap field and grad_reduce_async must be false (checked below)
+    launch_blocking: bool = False
+    score_bias_input: bool = False  # the materialised attention scores start from a bias broadcast over them (ALiBi as baddbmm's input, beta != 0): a write and a read of the scores more per forward (cost/passes.py)
+    bf16_optimizer_grads: bool = False  # DeepSpeed's BF16_Optimizer under its pipeline engine: every microbatch's backward starts with the bf16 .grads None (clear_lp_grads) and ends by casting each into the fp32 gradient (update_hp_grads): fresh gradients every microbatch and a cast + add pass per parameter (cost/layer.py hp_grad_update_s); bf16 runs only
+    zero1_all_reduce: bool = False  # ZeRO-1 reduces the full gradients with an all-reduce (each rank then updates its shard and all-gathers the weights), not a reduce-scatter: DeepSpeed's pipeline engine with its BF16_Optimizer (plan.layout.zero_layout)
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:
@@ -112,12 +124,23 @@ class Engine:
                 raise ValueError(f"engine field {name!r} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"engine field 'attention_dropout' must be a probability in [0, 1), got {self.attention_dropout!r}")
+        self._check_launch_blocking()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"engine field {f.name!r} must be true or false, got {value!r}")
             if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"engine field {f.name!r} must be a non-negative integer, got {value!r}")
+
+    def _check_launch_blocking(self) -> None:
+        """Under launch_blocking a collective's launch returns only when it has run, so nothing issued from the
+        host thread runs beside it: an overlap field left true would price an overlap that cannot happen."""
+        if not self.launch_blocking:
+            return
+        on = [name for name in OVERLAP_FIELDS if getattr(self, name)]
+        if on:
+            raise ValueError(f"engine field 'launch_blocking' is true (every kernel launch synchronous: no overlap), "
+                             f"so {', '.join(map(repr, on))} must be false")
 
     @staticmethod
     def load(name_or_path: str | os.PathLike[str]) -> Engine:

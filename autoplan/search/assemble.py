@@ -51,7 +51,7 @@ def layouts(c: dict[str, np.ndarray], engine: Engine) -> dict[str, np.ndarray]:
     gradients are reduce-scattered."""
     keys = np.stack([c["zero"], c["pp"], c["dp"], c["ep"], c["cp"]], axis=1)
     _, first, inverse = np.unique(int_codes(*keys.T), return_index=True, return_inverse=True)
-    rows = [_layout_row(z, pp, dp, ep, cp, engine.zero3, engine.pipelined_fsdp_defers_sync)
+    rows = [_layout_row(z, pp, dp, ep, cp, engine.zero3, engine.pipelined_fsdp_defers_sync, engine.zero1_all_reduce)
             for z, pp, dp, ep, cp in keys[first].tolist()]
     table = np.array(rows)[inverse.reshape(-1)]
     out = {f: table[:, i] for i, f in enumerate(_LAYOUT_FIELDS)}
@@ -60,10 +60,11 @@ def layouts(c: dict[str, np.ndarray], engine: Engine) -> dict[str, np.ndarray]:
 
 
 @lru_cache(maxsize=65536)
-def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defers: bool) -> tuple[float, ...]:
+def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defers: bool,
+                all_reduce: bool = False) -> tuple[float, ...]:
     """zero_layout's fields (and whether gradients are reduce-scattered) as floats, once per distinct input."""
     lay = zero_layout(ParallelConfig(zero=zero, pp=pp, dp=dp, ep=ep, cp=cp), 1, zero3=zero3,
-                      pipelined_fsdp_defers_sync=defers)
+                      pipelined_fsdp_defers_sync=defers, zero1_all_reduce=all_reduce)
     return tuple(float(getattr(lay, f)) for f in _LAYOUT_FIELDS) + (float(lay.grad_reduction == "reduce_scatter"),)
 
 
@@ -136,7 +137,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     schedule column is not read: rows equal but for it give the same terms); arguments as assemble's, `m`
     each row's microbatches per step (needed with Engine.grad_freed_after_reduce)."""
     lay = layouts(c, engine)
-    if engine.grad_freed_after_reduce and "fresh" in f:  # as cost.estimate.with_fresh_grads
+    if (engine.grad_freed_after_reduce or engine.bf16_optimizer_grads) and "fresh" in f:  # as estimate.with_fresh_grads
         assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
         cut = f["fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine)
         f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
@@ -279,8 +280,8 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
     full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
     share = np.where(full, 0.25, 1.0 / 3.0)  # forward : recompute : backward host = 1 : 1 : 2 (block_modules)
-    host_f = f["host"] * share if engine.zero3_sync_per_module else 0.0 * one
-    host_b = f["host"] - host_f if engine.zero3_sync_per_module else 0.0 * one
+    host_f = f["host"] * share if ds.sync_adds_host(engine) else 0.0 * one
+    host_b = f["host"] - host_f if ds.sync_adds_host(engine) else 0.0 * one
     if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
         exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
                                                  np.maximum(after, one + blocked), red, buckets, modules, gathers,
