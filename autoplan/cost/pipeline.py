@@ -150,9 +150,10 @@ def nic_shared_reduce_s(reduce: Any, compute: Any, nic_in: Any, nic_out: Any) ->
     (the CP exchange across nodes), `nic_out` its NIC transfers outside the layers (pipeline hops across
     nodes). Numbers or numpy arrays.
 
-    Concurrent transfers on one link share it: two NCCL operations over one link at once each get half of it,
-    together what one gets alone (NVIDIA/nccl issue 204: two broadcasts between the same two GPUs, measured
-    12 GB/s alone, 6 + 6 at once). A compute-stream transfer X = nic_in + nic_out that meets the stream takes
+    Concurrent transfers on one link share it: two NCCL operations over one link at once each get about half
+    of it, together what one gets alone (NVIDIA/nccl issue 1094, nccl-tests on 4 A100s: a 256 MB all-reduce
+    takes 1.8 ms alone and 4.2 ms beside a second one; issue 204: two broadcasts between two GPUs, 12 GB/s
+    alone, 6 + 6 at once). A compute-stream transfer X = nic_in + nic_out that meets the stream takes
     twice as long while they overlap, and the stream loses as much; it meets it for the stream's busy share
     u = min(1, reduce / (compute + nic_out)) of the slot. So the slot is max(compute + nic_out + u X,
     reduce + X): the NIC carries both (reduce + X, whatever the overlap) and the layers wait u X for it; the

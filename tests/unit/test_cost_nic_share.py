@@ -1,6 +1,6 @@
 """An asynchronous gradient-reduction stream (Engine.grad_reduce_async) on the NIC the compute stream's own
 exposed transfers use (cost.pipeline.nic_shared_reduce_s): two transfers on one link at once each get half
-of it (NVIDIA/nccl issue 204), so the compute stream's transfers stretch by the stream's busy share and the
+of it (NVIDIA/nccl issues 1094, 204), so the compute stream's transfers stretch by the stream's busy share and the
 NIC carries both. Checked against hand computations (ideal links)."""
 
 from __future__ import annotations
