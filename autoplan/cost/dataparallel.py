@@ -23,6 +23,7 @@ from autoplan.cost.gradpasses import (
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.memory import state_bytes_per_param
 from autoplan.cost.overlap import contention_fraction, exposed_s, hidden_penalty_s, mixed_fraction
+from autoplan.cost.pipeline import nic_shared_reduce_s
 from autoplan.cost.types import GroupPlacement, LayerCost
 from autoplan.graph.types import Layer, LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
@@ -85,6 +86,7 @@ class Rank:
     dp_tail: float = 0.0  # gradient reduction after the last microbatch, not hidden by the backward
     param_gather: float = 0.0  # the once-per-step weight all-gather, exposed part
     async_reduce: float = 0.0  # per microbatch: the reductions an asynchronous stream runs (pipeline.reduce_stream_floor_s)
+    pp_nic: float = 0.0  # per microbatch: its pipeline hops that cross nodes, on the NIC (pipeline.nic_shared_reduce_s)
     costs: list[LayerCost] = field(default_factory=list)
     layers: list[Layer] = field(default_factory=list)
 
@@ -216,7 +218,9 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     if async_reduce(layout, engine):
         post = reduces(back)
         dp_b, tail = async_reduce_s(fwd, bwd[::-1], post, cluster, frac)
-        rank.async_reduce = sum(post)
+        shared, stream = _nic_shared(rank, config, groups, sum(post), sum(fwd) + sum(bwd), cluster)
+        dp_b += shared
+        rank.async_reduce = sum(post) + stream
         dp_b += copy_in
         rank.dp_tail += tail
     if layout.weight_gathers_per_microbatch >= 2:
@@ -273,6 +277,18 @@ def async_reduce_s(fwd: Sequence[float], bwd_order: Sequence[float], post: Seque
     per_microbatch = exposed + hidden_penalty_s(total - exposed, cluster, frac)
     waited = _overlap(bwd_order, [0.0] * len(post), post, True, True, cluster, frac)
     return per_microbatch, max(waited - per_microbatch, 0.0)
+
+
+def _nic_shared(rank: Rank, config: ParallelConfig, groups: DpGroups, reduce: float, compute: float,
+                cluster: ClusterSpec) -> tuple[float, float]:
+    """pipeline.nic_shared_reduce_s for a rank whose asynchronous reductions cross nodes: beside them on its
+    NIC, the CP exchange when the cp group crosses nodes too, and the pipeline hops that do (Rank.pp_nic)."""
+    if not groups.dense.crosses_nodes:
+        return 0.0, 0.0
+    cp_nic = comm.group_placement(config, ("cp",), cluster.devices_per_node).crosses_nodes
+    nic_in = sum(c.cp_comm_s for c in rank.costs) if cp_nic else 0.0
+    shared, stream = nic_shared_reduce_s(reduce, compute, nic_in, rank.pp_nic)
+    return float(shared), float(stream)
 
 
 def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:

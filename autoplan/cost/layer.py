@@ -241,7 +241,16 @@ def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelC
     Load balance: attention FLOPs split evenly over cp, as in the load-balanced split of the published
     runtimes (rank i holds chunks i and 2cp-1-i of 2cp: Megatron-core CP; Llama 3, Dubey et al. 2024,
     section 3.3.2; torchtitan's context_parallel). autoplan's own executor (execute/context.py) uses the
-    same split and exchanges only the kv heads (the bytes above)."""
+    same split and exchanges only the kv heads (the bytes above).
+
+    engine.cp_separate_kv_collectives (the exposed exchange only): K and V are all-gathered, and dK and dV
+    reduce-scattered, by a collective each, so each exchange pays two collectives' latency on half the
+    bytes: Transformer Engine's all-gather CP, written after Llama 3's section 3.3.2
+    (transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py
+    AttnFuncWithCPAndKVAllGather: forward `gather_along_first_dim(k, cp_group)` then `(v, cp_group)`,
+    backward the same two again, then `reduce_scatter_along_first_dim(dk, ...)` and `(dv, ...)`), and
+    autoplan's executor (execute/context.py ContextParallelCore: gather_sequence of K, then of V, whose
+    autograd backwards reduce-scatter each)."""
     if config.cp == 1 or shape is None:
         return 0.0, 0.0
     group = comm.group_placement(config, ("cp",), cluster.devices_per_node)
@@ -251,8 +260,10 @@ def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelC
         fwd = max(gather - attention_fwd_s, 0.0)
         bwd = max(2.0 * gather - 2.0 * attention_fwd_s, 0.0)
         return fwd, fwd + bwd + (fwd if recompute is Recompute.FULL else 0.0)
+    pieces = 2 if engine.cp_separate_kv_collectives else 1
+    gather = pieces * comm.all_gather_s(kv_bytes / pieces, group, cluster)
     regather = 0.0 if engine.cp_saves_gathered_kv else gather
-    bwd = regather + comm.reduce_scatter_s(kv_bytes, group, cluster)
+    bwd = regather + pieces * comm.reduce_scatter_s(kv_bytes / pieces, group, cluster)
     again = recompute is Recompute.FULL or (recompute is Recompute.SELECTIVE and not engine.cp_saves_gathered_kv)
     return gather, gather + bwd + (gather if again else 0.0)
 

@@ -88,6 +88,7 @@ class Engine:
     attention_saves_repeated_kv: bool = True  # grouped-query K / V are repeated to the query heads before the attention kernel, which keeps them
     cp_saves_gathered_kv: bool = True  # context parallelism keeps the all-gathered K / V for the attention backward (not re-exchanged)
     cp_comm_overlap: bool = False  # the CP K / V exchange runs beside the attention core (ring P2P); False: all-gathered before it, exposed
+    cp_separate_kv_collectives: bool = True  # the exposed CP exchange (cp_comm_overlap False) all-gathers K and V, and reduce-scatters dK and dV, in a collective of its own each (two per exchange, two latencies), not one collective of the concatenated pair
     rmsnorm_saves_normalized: bool = True  # an eager RMSNorm keeps x * rstd for its weight's gradient beside its input x
     swiglu_saves_activation: bool = True  # an eager SwiGLU (silu(gate) * up) keeps silu(gate) beside gate and up
     # DeepSpeed ZeRO-3 (zero3='deepspeed'); ignored with fsdp2

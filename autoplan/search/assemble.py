@@ -28,7 +28,7 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.exposed import exposed, uniform_exposed
-from autoplan.search.pipeline_terms import pipeline_hops, tied_reduce, tied_tail
+from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import (
     MESH_COLS,
     Mesh,
@@ -195,11 +195,13 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
     asyn = every & (gmb == 0) & engine.grad_reduce_async & engine.dp_comm_overlap
     per_mb = np.maximum(reduce - f["time"], 0.0) + frac * np.minimum(reduce, f["time"])
+    shared, stream = (nic_shared(reduce, f, extra, c, cluster, sizes, engine, pp) if np.any(asyn)
+                      else (0.0, 0.0))  # cost.pipeline.nic_shared_reduce_s
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
-    dp_b = np.where(asyn, per_mb + copy_in, dp_b)
+    dp_b = np.where(asyn, per_mb + shared + copy_in, dp_b)
     # cost.pipeline.reduce_stream_floor_s's per-rank terms (layers' forward, backward, its weight part, the
     # asynchronous reductions), where any candidate reduces asynchronously
-    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce, 0.0)) if np.any(asyn) else None)
+    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce + stream, 0.0)) if np.any(asyn) else None)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     flushed = np.asarray(extra.get("ds_fetch_wait_share", 0.0), dtype=float).reshape(-1, 1)
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac,

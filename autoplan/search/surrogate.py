@@ -29,9 +29,9 @@ from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
 FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work", "host",
-          "fresh")
+          "fresh", "cp")
 # the fields summed per pipeline rank (search/assemble.py reads these sums; of params and work the maxima)
-SUMMED = ("time", "fwd", "bwd_weight", "act", "dense_params", "expert_params", "host", "fresh")
+SUMMED = ("time", "fwd", "bwd_weight", "act", "dense_params", "expert_params", "host", "fresh", "cp")
 _KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
 # what a key column a layer does not read is set to (recompute 0: Recompute.NONE; etp, eep 0: as tp, ep)
 _CANONICAL = {"ep": 1, "recompute": 0, "etp": 0, "eep": 0}
@@ -136,7 +136,7 @@ def key_config(**fields: Any) -> ParallelConfig:
 def _fields(c: Any) -> tuple[float, ...]:
     return (c.time_s, c.fwd_s + getattr(c, "fwd_comm_s", 0.0), c.bwd_weight_s, c.act_mem_bytes, c.param_count,
             c.grad_param_count, c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0),
-            getattr(c, "host_s", 0.0), getattr(c, "fresh_grad_saving_s", 0.0))
+            getattr(c, "host_s", 0.0), getattr(c, "fresh_grad_saving_s", 0.0), c.cp_comm_s)
 
 
 def _placement(sizes: tuple[int, ...], wanted: tuple[str, ...], devices_per_node: int, cost: Any) -> Any:

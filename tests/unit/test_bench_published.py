@@ -121,3 +121,19 @@ def test_embeddings_weighted_stages_give_the_embedding_and_head_a_block_each():
     assert stages[0][1:] == tuple(f"layers.{i}" for i in range(5)) and stages[1][0] == "layers.5"
     with pytest.raises(ValueError, match="do not split evenly"):
         embeddings_weighted_stages(gpt_graph(h=64, a=4, layers=69, seq=16, vocab=100), 12)
+@pytest.mark.parametrize("rid", ["llama3-405b-8192-cp1", "llama3-405b-16384-cp1", "llama3-405b-16384-cp16"])
+def test_llama3_measured_step_is_palm_mfu_over_the_full_attention_square(rid):
+    """Dubey et al. 2024 Table 4 gives BF16 MFU after Chowdhery et al. (PaLM, appendix B): 6 N + 12 L H Q T
+    FLOPs per token, N the matmul parameters (126 blocks + the output head; the embedding lookup is no
+    matmul), attention over the whole T x T square, no causal halving. The record's step is those FLOPs
+    over MFU x 989 TFLOP/s x GPUs: at 128K the attention term is 57 % of them (a causal count would make
+    the measured step 29 % shorter)."""
+    from published import predict, records
+
+    rec = next(r for r in records() if r["id"] == rid)
+    h, f, layers, vocab, s = 16384, 53248, 126, 128256, rec["model"]["seq_len"]
+    qkv = h + 2 * h * 8 // 128  # GQA: 128 query heads, 8 kv heads
+    n = layers * (h * qkv + h * h + 3 * h * f) + vocab * h
+    per_token = 6.0 * n + 12.0 * layers * h * s
+    hand = per_token * rec["global_batch"] * s / (rec["measured"]["mfu"] * 989e12 * rec["cluster"]["gpus"])
+    assert predict(rec).measured_s == pytest.approx(hand, rel=1e-9)
