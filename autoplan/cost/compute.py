@@ -248,7 +248,7 @@ def host_ops(layer: Layer, engine: Engine) -> tuple[float, float]:
 def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: ParallelConfig,
                   recompute: Recompute, *, scale: float, seq_len: int, graph_tokens: float,
                   dtype_bytes: int, scores_materialised: bool, engine: Engine | None = None,
-                  nonmatmul_ratio: float = 16.0) -> ComputeTimes:
+                  nonmatmul_ratio: float = 16.0, hp_grads: bool = False) -> ComputeTimes:
     """Forward, backward, weight-gradient and recompute time of one microbatch on one device.
 
     `scale` = (config microbatch / captured microbatch) / cp: the layer's captured quantities times
@@ -258,7 +258,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     the gradient buffer (read + write, 2 x GRAD_ACCUMULATE_BYTES per weight element: PyTorch
     AccumulateGrad / Megatron's --gradient-accumulation-fusion into main_grad); under
     engine.grad_freed_after_reduce also what those passes save when the gradient is None and autograd adopts
-    the GEMM's output (written once, dtype_bytes per element: fresh_grad_saving_s). Non-block layers run
+    the GEMM's output (written once, dtype_bytes per element: fresh_grad_saving_s), as under `hp_grads`
+    (Engine.hp_grads of the plan's dtype: BF16_Optimizer's clear_lp_grads). Non-block layers run
     their matmul total as one matmul. Attention: _attention_s. Elementwise: block_elementwise_bytes at
     streaming bandwidth, backward 1.5 x forward (it reads the output gradient and the saved input and
     writes one gradient: 3 accesses for the forward's 2; the materialised scores as score_backward_bytes
@@ -308,7 +309,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
         dws = [gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups]
         dw_s = sum(dws)
-        if engine.grad_freed_after_reduce or engine.bf16_optimizer_grads:  # .grad None: the GEMM's output is adopted
+        if engine.grad_freed_after_reduce or hp_grads:  # .grad None: the GEMM's output is adopted
             fresh_s = dw_s - sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes) for m, k, n, c in groups)
         qkv_dw = dws[0] + (dws[-1] if engine.separate_qkv_projections else 0.0)
         wgrad_column = (qkv_dw, dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)

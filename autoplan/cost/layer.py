@@ -62,7 +62,8 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
                                           or _scores_materialised(layer, shape, graph_microbatch, seq_len))
     times = layer_compute(layer, device, cluster.peak_flops, config, recompute, scale=scale, seq_len=seq_len,
                           graph_tokens=graph_tokens, dtype_bytes=dbytes, scores_materialised=materialised,
-                          engine=engine, nonmatmul_ratio=_nonmatmul_ratio(cluster))
+                          engine=engine, nonmatmul_ratio=_nonmatmul_ratio(cluster),
+                          hp_grads=engine.hp_grads(cluster.dtype))
     tokens = graph_tokens * scale
     if shape is not None:
         held, work = block_activation_bytes(shape, config.microbatch, seq_len, config, recompute, dbytes,
@@ -73,7 +74,7 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
         held, work = other_activation_bytes(layer, scale, config, recompute, ratio)
         hidden_bytes = layer.output_bytes * scale * ratio
     param_count, dense, expert = layer_param_counts(layer, shape, config, engine)
-    hp = hp_grad_update_s(dense + expert, device, engine)
+    hp = hp_grad_update_s(dense + expert, device, engine, cluster.dtype)
     times = dataclasses.replace(times, bwd_s=times.bwd_s + hp) if hp else times
     tp_fwd, tp_total = _tp_comm_s(layer, shape, cluster, config, recompute, hidden_bytes, scale * ratio,
                                   times, engine)
@@ -99,15 +100,16 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
 HP_GRAD_UPDATE_BYTES = 2 + 4 + 4 + 4 + 4
 
 
-def hp_grad_update_s(numel: float, device: DeviceSpec, engine: Engine) -> float:
-    """What Engine.bf16_optimizer_grads adds to each microbatch's backward on the compute stream: DeepSpeed's
+def hp_grad_update_s(numel: float, device: DeviceSpec, engine: Engine, dtype: str) -> float:
+    """What Engine.bf16_optimizer_grads adds to each microbatch's backward of a `dtype` plan (only bf16 builds
+    the BF16_Optimizer: Engine.hp_grads) on the compute stream: DeepSpeed's
     pipeline engine calls BF16_Optimizer.update_hp_grads after every backward (deepspeed/runtime/pipe/
     engine.py _exec_backward_pass: "manually call because we don't call optimizer.backward()"; the last
     stage's engine.backward -> BF16_Optimizer.backward does the same), a memory-bound pass of
     HP_GRAD_UPDATE_BYTES over the layer's `numel` local gradients. Its clear_lp_grads before the backward
     (`param.grad = None`) makes every microbatch's gradients fresh (estimate.fresh_grad_share). 0 without
-    the field."""
-    if not engine.bf16_optimizer_grads or numel <= 0:
+    the field or for an fp16 / fp32 plan."""
+    if not engine.hp_grads(dtype) or numel <= 0:
         return 0.0
     return memory_time_s(device, HP_GRAD_UPDATE_BYTES * numel)
 

@@ -112,8 +112,10 @@ class Engine:
     # issues overlaps: every *_overlap field and grad_reduce_async must be false (checked below)
     launch_blocking: bool = False
     score_bias_input: bool = False  # the materialised attention scores start from a bias broadcast over them (ALiBi as baddbmm's input, beta != 0): a write and a read of the scores more per forward (cost/passes.py)
-    bf16_optimizer_grads: bool = False  # DeepSpeed's BF16_Optimizer under its pipeline engine: every microbatch's backward starts with the bf16 .grads None (clear_lp_grads) and ends by casting each into the fp32 gradient (update_hp_grads): fresh gradients every microbatch and a cast + add pass per parameter (cost/layer.py hp_grad_update_s); bf16 runs only
-    zero1_all_reduce: bool = False  # ZeRO-1 reduces the full gradients with an all-reduce (each rank then updates its shard and all-gathers the weights), not a reduce-scatter: DeepSpeed's pipeline engine with its BF16_Optimizer (plan.layout.zero_layout)
+    # DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, from v0.6.2): what the engine does for a
+    # plan trained in bf16 only (gated in one place, Engine.bf16_optimizer_runs; fp16 / fp32 plans never see it)
+    bf16_optimizer_grads: bool = False  # under bf16, every microbatch's backward starts with the bf16 .grads None (clear_lp_grads) and ends by casting each into the fp32 gradient (update_hp_grads): fresh gradients every microbatch and a cast + add pass per parameter (cost/layer.py hp_grad_update_s)
+    zero1_all_reduce: bool = False  # under bf16, ZeRO-1 reduces the full gradients with an all-reduce (each rank then updates its shard and all-gathers the weights), not a reduce-scatter: BF16_Optimizer's own sharding under DeepSpeed's pipeline engine (plan.layout.zero_layout)
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:
@@ -142,6 +144,26 @@ class Engine:
         if on:
             raise ValueError(f"engine field 'launch_blocking' is true (every kernel launch synchronous: no overlap), "
                              f"so {', '.join(map(repr, on))} must be false")
+
+    def bf16_optimizer_runs(self, dtype: str) -> bool:
+        """Whether DeepSpeed's BF16_Optimizer runs a plan trained in `dtype`: the one gate of bf16_optimizer_grads
+        and zero1_all_reduce (hp_grads, zero1_all_reduces), read by the exact model (cost/layer.py,
+        cost/estimate.py), its ZeRO layout (plan.layout.zero_layout) and the quick estimate (search/assemble.py).
+        DeepSpeed builds it only for a bf16 model: v0.6.2-v0.7.x engine.py _configure_optimizer `elif
+        self.bfloat16_enabled(): self.optimizer = self._configure_bf16_optimizer(...)` (after ZeRO, amp and fp16);
+        v0.8.0 on, _do_optimizer_sanity_check returns BFLOAT16 for `model_dtype == torch.bfloat16 and
+        grad_accum_dtype == torch.float32`. An fp16 model gets FP16_Optimizer, fp32 none. Which ZeRO stages
+        build it is the engine's (the fields are set only where every bf16 run the engine can run has it: see
+        engines/megatron-deepspeed.yaml)."""
+        return dtype == "bf16"
+
+    def hp_grads(self, dtype: str) -> bool:
+        """bf16_optimizer_grads for a plan trained in `dtype` (bf16_optimizer_runs)."""
+        return self.bf16_optimizer_grads and self.bf16_optimizer_runs(dtype)
+
+    def zero1_all_reduces(self, dtype: str) -> bool:
+        """zero1_all_reduce for a plan trained in `dtype` (bf16_optimizer_runs)."""
+        return self.zero1_all_reduce and self.bf16_optimizer_runs(dtype)
 
     @staticmethod
     def load(name_or_path: str | os.PathLike[str]) -> Engine:

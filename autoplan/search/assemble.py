@@ -46,12 +46,12 @@ _LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "red
                   "weight_gathers_per_microbatch", "weight_gathers_per_step")
 
 
-def layouts(c: dict[str, np.ndarray], engine: Engine) -> dict[str, np.ndarray]:
-    """zero_layout's fields per candidate (computed once per distinct (zero, pp, dp, ep, cp)), plus whether
-    gradients are reduce-scattered."""
+def layouts(c: dict[str, np.ndarray], engine: Engine, dtype: str) -> dict[str, np.ndarray]:
+    """zero_layout's fields per candidate (computed once per distinct (zero, pp, dp, ep, cp)) for a `dtype` plan
+    (Engine.zero1_all_reduces), plus whether gradients are reduce-scattered."""
     keys = np.stack([c["zero"], c["pp"], c["dp"], c["ep"], c["cp"]], axis=1)
     _, first, inverse = np.unique(int_codes(*keys.T), return_index=True, return_inverse=True)
-    rows = [_layout_row(z, pp, dp, ep, cp, engine.zero3, engine.pipelined_fsdp_defers_sync, engine.zero1_all_reduce)
+    rows = [_layout_row(z, pp, dp, ep, cp, engine.zero3, engine.pipelined_fsdp_defers_sync, engine.zero1_all_reduces(dtype))
             for z, pp, dp, ep, cp in keys[first].tolist()]
     table = np.array(rows)[inverse.reshape(-1)]
     out = {f: table[:, i] for i, f in enumerate(_LAYOUT_FIELDS)}
@@ -136,10 +136,11 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     """assemble's terms that do not depend on the schedule (search/schedules.py), per row of `c` (whose
     schedule column is not read: rows equal but for it give the same terms); arguments as assemble's, `m`
     each row's microbatches per step (needed with Engine.grad_freed_after_reduce)."""
-    lay = layouts(c, engine)
-    if (engine.grad_freed_after_reduce or engine.bf16_optimizer_grads) and "fresh" in f:  # as estimate.with_fresh_grads
+    lay = layouts(c, engine, cluster.dtype)
+    if (engine.grad_freed_after_reduce or engine.hp_grads(cluster.dtype)) and "fresh" in f:  # as estimate.with_fresh_grads
         assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
-        cut = f["fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine)
+        cut = f["fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine,
+                                          cluster.dtype)
         f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
     sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP

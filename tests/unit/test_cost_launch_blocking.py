@@ -1,8 +1,9 @@
 """Engine.launch_blocking (CUDA_LAUNCH_BLOCKING=1, BLOOM-176B's launch script): every kernel launch returns
 only when its kernel has run, so a layer's host time (its ops at op_overhead_s) adds to its device time
 instead of hiding under it, a device-synchronising copy costs only its own latency (the queue is already
-empty), and an engine that would overlap anything is refused. Also the two DeepSpeed bf16 fields BLOOM's
-records set (Engine.zero1_all_reduce, Engine.bf16_optimizer_grads). Checked against hand counts of the ops
+empty), and an engine that would overlap anything is refused. Also the two DeepSpeed bf16 fields
+(Engine.zero1_all_reduce, Engine.bf16_optimizer_grads; true in megatron-deepspeed.yaml, their dtype gate in
+test_cost_bf16_optimizer_gate.py). Checked against hand counts of the ops
 and bytes, and the quick estimate against the exact model."""
 
 from __future__ import annotations
@@ -135,9 +136,10 @@ def test_bf16_optimizer_casts_every_microbatchs_gradients_into_fp32() -> None:
     from autoplan.search.space import SearchOptions, enumerate_space
 
     rate = CLUSTER.device.mem_bw_bytes_per_s * CLUSTER.device.mem_bw_efficiency
-    on = dataclasses.replace(ASYNC, bf16_optimizer_grads=True)
+    on, off = ASYNC, dataclasses.replace(ASYNC, bf16_optimizer_grads=False)
+    assert on.bf16_optimizer_grads  # megatron-deepspeed.yaml: every bf16 run of DeepSpeed's pipeline engine
     block = gpt_graph(h=2048, a=16, layers=1, seq=1024, vocab=4096, unfused=True).blocks[0]
-    a, b = _block_times(ASYNC), _block_times(on)
+    a, b = _block_times(off), _block_times(on)
     assert math.isclose(b.bwd_s - a.bwd_s, 18.0 * block.num_params / rate, rel_tol=1e-9)
 
     # an Ampere device whose GEMMs write their output after the mainloop, so a fresh gradient saves time, and
@@ -146,7 +148,7 @@ def test_bf16_optimizer_casts_every_microbatchs_gradients_into_fp32() -> None:
                                                                       gemm_epilogue_overlap=False, op_overhead_s=0.0))
     graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096, unfused=True)
     config, m = ParallelConfig(dp=8, microbatch=1), 4
-    steps = [estimate_config(graph, cluster, config, global_batch=8 * m, engine=e) for e in (ASYNC, on)]
+    steps = [estimate_config(graph, cluster, config, global_batch=8 * m, engine=e) for e in (off, on)]
     layers = [(estimate_layer(x, cluster, config, "none", seq_len=512, engine=on), x) for x in graph.layers]
     assert sum(c.fresh_grad_saving_s for c, _ in layers) > 0
     hand = m * sum(18.0 * x.num_params / rate - c.fresh_grad_saving_s for c, x in layers)  # every microbatch fresh
@@ -154,7 +156,7 @@ def test_bf16_optimizer_casts_every_microbatchs_gradients_into_fp32() -> None:
     space = enumerate_space(graph, cluster, SearchOptions(global_batch=16))
     rows = [i for i in range(len(space)) if space.config(i).pp == 1 and space.config(i).dp == 8][:4]
     assert rows
-    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, cluster, space, rows, 16, e) for e in (on, ASYNC))
+    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, cluster, space, rows, 16, e) for e in (on, off))
     np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
 
 
