@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from autoplan.cluster.types import ClusterSpec
-from autoplan.cost import comm
+from autoplan.cost import chunksync, comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.compute import block_shape
 from autoplan.cost.experts import expert_dp_placement
@@ -86,6 +86,8 @@ class Rank:
     async_reduce: float = 0.0  # per microbatch: the reductions an asynchronous stream runs (pipeline.reduce_stream_floor_s)
     costs: list[LayerCost] = field(default_factory=list)
     layers: list[Layer] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)  # layers per model chunk, in model order (add_layers)
+    index: int = 0  # the pipeline rank
 
     @property
     def slot(self) -> float:
@@ -99,6 +101,7 @@ class Rank:
 
 def add_layers(rank: Rank, costs: Sequence[LayerCost], layers: Sequence[Layer]) -> None:
     """Add one chunk's layers to its rank: compute, tp / cp / ep communication, memory, parameters."""
+    rank.chunks.append(len(costs))
     for c, layer in zip(costs, layers):
         fwd = c.fwd_s + c.fwd_comm_s
         rank.fwd += fwd
@@ -224,7 +227,15 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     if not layout.reduce_every_microbatch:
         rank.dp_tail += (copy_in + ddp_grad_passes_s(sum(dense) + sum(expert), cluster, layout, engine)
                          + grad_buffer_passes_s(sum(dense) + sum(expert), cluster, config, layout, engine))
-        if engine.dp_comm_overlap:
+        if engine.dp_comm_overlap and engine.grad_sync_per_chunk and chunksync.applies(
+                config.pp, config.virtual_stages, rank.index):
+            starts = [sum(rank.chunks[:k]) for k in range(len(rank.chunks))]
+            spans = [range(a, a + n) for a, n in zip(starts, rank.chunks)]
+            exposed, hidden = chunksync.rank_chunk_tail_s([sum(bwd[i] for i in s) for s in spans],
+                                                          [sum(reduces(s[::-1])) for s in spans],
+                                                          config.pp, rank.index)
+            rank.dp_tail += exposed + hidden_penalty_s(hidden, cluster, frac)
+        elif engine.dp_comm_overlap:
             rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster, frac)
         else:
             rank.dp_tail += (reduce_fn(sum(dense) * wire, groups.dense, cluster)

@@ -28,7 +28,7 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.exposed import exposed, uniform_exposed
-from autoplan.search.pipeline_terms import pipeline_hops, tied_reduce, tied_tail
+from autoplan.search.pipeline_terms import chunk_sync_tail, pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import (
     MESH_COLS,
     Mesh,
@@ -204,14 +204,33 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     x = f["time"] + hops + dp_f + dp_b
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
+    chunked = None  # cost.chunksync: the reduction launched chunk by chunk, bucketed within each chunk
+    if engine.grad_sync_per_chunk and engine.dp_comm_overlap and pp > 1 and "chunk_bwd" in extra:
+        chunked = chunk_sync_tail(*_chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, cluster, engine, m, v),
+                                  frac, pp)
     once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
                        dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
-                       int(extra.get("last_rank", pp - 1))), _optimizer(f, c, lay, cluster, engine)]
+                       int(extra.get("last_rank", pp - 1)), chunked), _optimizer(f, c, lay, cluster, engine)]
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
     states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve,
                   floor=floor)
+
+
+def _chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, cluster, engine, m, v):
+    """(reduction, backward) of each rank's chunks [n, v, p]: extra's chunk_grads in the engine's buckets
+    (per layer, without buckets: the rank's per-layer collectives spread evenly), chunk_bwd less what
+    grad_freed_after_reduce takes off (as assemble_shared's time)."""
+    grads, bwd = extra["chunk_grads"], extra["chunk_bwd"]
+    if engine.grad_freed_after_reduce:
+        bwd = bwd - extra["chunk_fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None, None] > 0,
+                                                            m[:, None, None], engine)
+    if not engine.dp_bucket_numel:
+        return np.broadcast_to((rs_or_ar / v)[:, None, :], grads.shape), bwd
+    red = [np.where(grads[:, c] > 0, _bucketed_reduce(None, grads[:, c], layers, sizes, lay, wire, cluster, engine),
+                    0.0) for c in range(v)]
+    return np.stack(red, axis=1), bwd
 
 
 def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_s: np.ndarray
@@ -304,15 +323,17 @@ def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers):
 
 
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire,
-               w, cluster, copy_in, async_tail, tied, last_rank) -> np.ndarray:
+               w, cluster, copy_in, async_tail, tied, last_rank, chunked=None) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
     sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
     cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (tied_tail),
-    and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
+    and weight all-gather (ZeRO-1/2; overlapped with the next forward); `chunked`: (ranks, tail) of
+    pipeline_terms.chunk_sync_tail where the engine launches the reduction per chunk."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
         tail = exposed(bwd_all, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
+        tail = tail if chunked is None else np.where(chunked[0], chunked[1], tail)
     else:
         d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
         a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)

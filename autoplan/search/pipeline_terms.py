@@ -133,3 +133,21 @@ def tied_tail(per_rank: np.ndarray, offsets: np.ndarray, tied: np.ndarray, last:
         ends[:, 0] = np.where(tied > 0, first_end, ends[:, 0])
         ends[:, last] = np.where(tied > 0, last_end, ends[:, last])
     return np.maximum(ends.max(axis=1), 0.0)
+
+
+def chunk_sync_tail(chunk_reduce: np.ndarray, chunk_bwd: np.ndarray, frac: Any, pp: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """cost.chunksync.rank_chunk_tail_s (Engine.grad_sync_per_chunk) over [n, v, p] chunks (rank r's c-th
+    chunk's bucketed reduction and one microbatch's backward): (the ranks it applies to: every rank when
+    v > 1, all but the first stage when v == 1; their exposed seconds past their last backward, the queue of
+    chunk_windows_s's launches, plus the SM-contention share `frac` of the hidden rest)."""
+    v, r = chunk_bwd.shape[1], np.arange(pp)[None, :]
+    windows = [np.zeros_like(chunk_bwd[:, 0])]
+    for c in range(1, v):
+        windows.append((pp - r) * chunk_bwd[:, c - 1] + pp * chunk_bwd[:, : c - 1].sum(axis=1))
+    end = np.full(windows[0].shape, -np.inf)
+    for c in reversed(range(v)):  # chunk v-1 is launched first
+        end = np.maximum(end, -windows[c]) + chunk_reduce[:, c]
+    shown = np.maximum(end, 0.0)
+    tail = shown + frac * np.maximum(chunk_reduce.sum(axis=1) - shown, 0.0)
+    return np.broadcast_to((r > 0) | (v > 1), tail.shape), tail

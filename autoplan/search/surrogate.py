@@ -186,7 +186,9 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                      "out_bytes": shape["out_bytes"][key[first]], "act_sends": shape["act_sends"],
                      "act_recvs": shape["act_recvs"], "tied": graph.tied_embedding_params,
                      "last_rank": shape["last_rank"], "max_numel": max_numel[rows[first]],
-                     "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]]}
+                     "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]],
+                     "chunk_bwd": shape["chunk_bwd"][key[first]], "chunk_grads": shape["chunk_grads"][key[first]],
+                     "chunk_fresh": shape["chunk_fresh"][key[first]]}
             if per_step is not None:
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
@@ -246,6 +248,11 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
            "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
            "last_rank": ranks[-1], **_cut_sides(ranks, pp)}
     out["max_params"], out["work"] = _rank_maxima(graph, table, keys, bounds, ranks, pp)
+    # each rank's chunks [v, p] (rank r's c-th stage) for cost.chunksync: their backward and gradients
+    chunk_of = np.array([[i for i, r in enumerate(ranks) if r == k] for k in range(pp)]).T
+    time, fwd, dense, expert, fresh = (per_stage[:, :, SUMMED.index(n)][:, chunk_of]  # [keys, v, p]
+                                       for n in ("time", "fwd", "dense_params", "expert_params", "fresh"))
+    out["chunk_bwd"], out["chunk_grads"], out["chunk_fresh"] = time - fwd, dense + expert, fresh
     return out
 
 
