@@ -19,11 +19,16 @@ _reduce_scatter_base / all_reduce, async) is launched by the schedule itself:
   every other stage launches its whole reduction after its cool-down ("Other pipeline stages do grad
   reduction during pipeline bubble").
 
-Every chunk's DDP reduces over the one data-parallel group (distributed_data_parallel.py
+Its buckets: the first chunk's are the engine's (dp_bucket_numel), every later chunk's gradients are one
+bucket (training.py get_model: `DDP(..., disable_bucketing=(model_chunk_idx > 0))`, "since communication
+for these model chunks is overlapped with compute anyway"). Every chunk's DDP reduces over the one data-parallel group (distributed_data_parallel.py
 `parallel_state.get_data_parallel_group(with_context_parallel=True)`), one NCCL communicator whose
 collectives run one after another in launch order: queued_tail_s. finalize_model_grads then waits for all
 (finish_grad_sync). Without a pipeline (forward_backward_no_pipelining) the last microbatch runs outside
-no_sync and the bucket hooks launch as buckets fill: not this module.
+no_sync and the bucket hooks launch as buckets fill: not this module. Zero bubble (no Megatron-Core r0.8.0
+schedule) is priced as the interleaved one over the rank's chunks in stage order. A MoE's expert buckets
+reduce over their own group (get_data_modulo_expert_parallel_group) yet join the one queue here, as the
+bucket-hook tail (cost/dataparallel.py) has them on one stream.
 """
 
 from __future__ import annotations

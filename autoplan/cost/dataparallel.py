@@ -231,8 +231,10 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
                 config.pp, config.virtual_stages, rank.index):
             starts = [sum(rank.chunks[:k]) for k in range(len(rank.chunks))]
             spans = [range(a, a + n) for a, n in zip(starts, rank.chunks)]
+            whole = [reduce_fn(sum(dense[i] for i in s) * wire, groups.dense, cluster)
+                     + reduce_fn(sum(expert[i] for i in s) * wire, groups.expert, cluster) for s in spans]
             exposed, hidden = chunksync.rank_chunk_tail_s([sum(bwd[i] for i in s) for s in spans],
-                                                          [sum(reduces(s[::-1])) for s in spans],
+                                                          [sum(reduces(spans[0][::-1])), *whole[1:]],
                                                           config.pp, rank.index)
             rank.dp_tail += exposed + hidden_penalty_s(hidden, cluster, frac)
         elif engine.dp_comm_overlap:

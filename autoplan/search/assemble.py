@@ -28,7 +28,7 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.exposed import exposed, uniform_exposed
-from autoplan.search.pipeline_terms import chunk_sync_tail, pipeline_hops, tied_reduce, tied_tail
+from autoplan.search.pipeline_terms import chunk_sync_tail, chunk_terms, pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import (
     MESH_COLS,
     Mesh,
@@ -205,9 +205,11 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
     chunked = None  # cost.chunksync: the reduction launched chunk by chunk, bucketed within each chunk
-    if engine.grad_sync_per_chunk and engine.dp_comm_overlap and pp > 1 and "chunk_bwd" in extra:
-        chunked = chunk_sync_tail(*_chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, cluster, engine, m, v),
-                                  frac, pp)
+    if engine.grad_sync_per_chunk and engine.dp_comm_overlap and pp > 1:
+        assert "chunk_bwd" in extra, "assemble_shared needs extra's chunk_* tables under grad_sync_per_chunk"
+        def bucketed(n: np.ndarray, bucket: float | None = None) -> np.ndarray:
+            return _bucketed_reduce(None, n, layers, sizes, lay, wire, cluster, engine, bucket)
+        chunked = chunk_sync_tail(*chunk_terms(extra, rs_or_ar, bucketed, lay, m, engine), frac, pp)
     once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
                        dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
                        int(extra.get("last_rank", pp - 1)), chunked), _optimizer(f, c, lay, cluster, engine)]
@@ -216,21 +218,6 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve,
                   floor=floor)
-
-
-def _chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, cluster, engine, m, v):
-    """(reduction, backward) of each rank's chunks [n, v, p]: extra's chunk_grads in the engine's buckets
-    (per layer, without buckets: the rank's per-layer collectives spread evenly), chunk_bwd less what
-    grad_freed_after_reduce takes off (as assemble_shared's time)."""
-    grads, bwd = extra["chunk_grads"], extra["chunk_bwd"]
-    if engine.grad_freed_after_reduce:
-        bwd = bwd - extra["chunk_fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None, None] > 0,
-                                                            m[:, None, None], engine)
-    if not engine.dp_bucket_numel:
-        return np.broadcast_to((rs_or_ar / v)[:, None, :], grads.shape), bwd
-    red = [np.where(grads[:, c] > 0, _bucketed_reduce(None, grads[:, c], layers, sizes, lay, wire, cluster, engine),
-                    0.0) for c in range(v)]
-    return np.stack(red, axis=1), bwd
 
 
 def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_s: np.ndarray
@@ -248,12 +235,14 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
     return np.where(expert_s > 0, mixed, fd + 0.0 * total), fd
 
 
-def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
-    """Reduction time of a rank's gradients: per layer, or in the engine's buckets (dp_bucket_numel)."""
-    if not engine.dp_bucket_numel:
+def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine, bucket=None) -> np.ndarray:
+    """Reduction time of a rank's gradients: per layer, or in the engine's buckets (dp_bucket_numel, or
+    `bucket` elements: np.inf for one collective of them all)."""
+    bucket = engine.dp_bucket_numel if bucket is None else bucket
+    if not bucket:
         return per_layer_total
-    buckets = _bucket_count(params, layers, engine.dp_bucket_numel)
-    one = np.minimum(params / buckets, engine.dp_bucket_numel) * wire
+    buckets = _bucket_count(params, layers, bucket)
+    one = np.minimum(params / buckets, bucket) * wire
     rs = collective_s("rs", sizes, ("dp", "ep", "cp"), one, cluster)
     ar = collective_s("ar", sizes, ("dp", "ep", "cp"), one, cluster)
     return np.where(lay["reduce_scatter"][:, None] > 0, rs, ar) * buckets

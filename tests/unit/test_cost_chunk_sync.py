@@ -94,6 +94,25 @@ def test_an_interleaved_ranks_tail_by_hand() -> None:
     assert _tail(_rank(1, b, n), config, OFF) != pytest.approx(want)
 
 
+def test_the_first_chunk_keeps_its_buckets_the_later_ones_reduce_in_one() -> None:
+    """Megatron-Core's get_model: DDP(..., disable_bucketing=(model_chunk_idx > 0)). Rank 0 of p = 2, two
+    chunks of two 50 M-parameter layers (backward 1 ms each), 40 M buckets: chunk 0 reduces in two 50 M
+    collectives, chunk 1 in one of 100 M, launched 2 backwards of chunk 0 (4 ms) before the end."""
+    config = ParallelConfig(pp=2, dp=4, zero=1, virtual_stages=2, schedule="interleaved")
+    engine = dataclasses.replace(MCORE, dp_bucket_numel=40_000_000)
+    rank = Rank(index=0)
+    for _ in range(2):
+        layer = LayerCost(fwd_s=1e-3, bwd_s=1e-3, bwd_weight_s=0.0, recompute_s=0.0, tp_comm_s=0.0, cp_comm_s=0.0,
+                          ep_comm_s=0.0, act_mem_bytes=0, param_count=50_000_000, grad_param_count=50_000_000,
+                          expert_param_count=0, output_bytes=0)
+        add_layers(rank, [layer, layer], [None, None])
+    group = dp_groups(config, CLUSTER).dense
+    r0, r1 = 2 * comm.reduce_scatter_s(50e6 * 4.0, group, CLUSTER), comm.reduce_scatter_s(100e6 * 4.0, group, CLUSTER)
+    end = max(-4e-3 + r1, 0.0) + r0
+    want = end + contention_fraction(CLUSTER, group) * (r0 + r1 - end)
+    assert math.isclose(_tail(rank, config, engine), want, rel_tol=1e-12)
+
+
 def test_1f1b_the_first_stage_keeps_its_hooks_the_others_reduce_after_the_cool_down() -> None:
     config = ParallelConfig(pp=2, dp=4, zero=1)
     b, n = [4e-3], [120_000_000]
@@ -110,8 +129,9 @@ def test_only_megatron_core_launches_per_chunk() -> None:
         assert Engine.load(name).grad_sync_per_chunk == (name == "megatron-core"), name
 
 
-def test_the_quick_estimate_tracks_the_exact_one() -> None:
-    """Interleaved candidates under megatron-core: the quick step is the exact one's to 1 % (the quick prices
+@pytest.mark.parametrize("fields", [{}, {"dp_bucket_numel": 0}, {"grad_freed_after_reduce": True}])
+def test_the_quick_estimate_tracks_the_exact_one(fields: dict) -> None:
+    """Interleaved candidates under megatron-core (also without buckets, and with fresh gradients): the quick step is the exact one's to 1 % (the quick prices
     each rank's chunks from its own stages' fields; its buckets are equal ones of the chunk's gradients), and
     switching the field changes some exact step."""
     from autoplan.search.space import SearchOptions, enumerate_space
@@ -122,7 +142,7 @@ def test_the_quick_estimate_tracks_the_exact_one() -> None:
     space = enumerate_space(graph, cluster, SearchOptions(global_batch=64, zero=(0, 1), schedules=("interleaved",)))
     flat = np.flatnonzero((space.columns["pp"] > 1) & (space.columns["virtual_stages"] > 1))
     rows = np.random.default_rng(2).choice(flat, 24, replace=False).tolist()
-    mcore = Engine.load("megatron-core")
+    mcore = dataclasses.replace(Engine.load("megatron-core"), **fields)
     quick = quick_estimate(graph, cluster, space, 64, cost.with_engine(mcore)).step_time_s[rows]
     e_on, e_off = (np.array([cost.estimate_config(graph, cluster, space.config(r), global_batch=64,
                                                   engine=e).step_time_s for r in rows])
