@@ -70,3 +70,32 @@ def rank_chunk_tail_s(chunk_bwd: Sequence[float], chunk_reduces: Sequence[float]
     reduction. Hidden is what ran beside the remaining backwards (it slows them: overlap.hidden_penalty_s)."""
     exposed = queued_tail_s(chunk_windows_s(chunk_bwd, p, r), chunk_reduces)
     return exposed, max(sum(chunk_reduces) - exposed, 0.0)
+
+
+def chunk_spans(chunks: Sequence[int]) -> list[range]:
+    """Indices into a rank's layers of each of its chunks, from the chunks' layer counts (Rank.chunks)."""
+    out, start = [], 0
+    for n in chunks:
+        out.append(range(start, start + n))
+        start += n
+    return out
+
+
+def later_gathers_s(chunk_fwd: Sequence[float], gathers: Sequence[float], p: int) -> tuple[float, float]:
+    """(exposed, hidden) seconds of the weight all-gathers of a rank's chunks after the first under
+    Engine.param_gather_per_chunk (the first chunk's are priced layer by layer beside its forward, as without
+    the field). Megatron-LM core_r0.8.0 megatron/core/optimizer/distrib_optimizer.py: zero_grad dispatches
+    the first bucket's all-gather; _finish_param_sync_helper, called by the forward pre-hook of the first
+    module that needs a bucket, waits for it and only then dispatches the next ("We can't pre-launch
+    all-gathers for all buckets at once"), in _get_model_param_buffer_dp_views' order: the chunks in turn,
+    each in forward order, every chunk after the first one bucket (get_model's disable_bucketing). The
+    interleaved schedule runs p forwards of chunk c-1 (schedules.py get_model_chunk_id: groups of p
+    microbatches) before chunk c's first: chunk c's gather, dispatched at the start of chunk c-1's first
+    forward (c >= 2) or near the end of it (c = 1), has p x f_{c-1} (c >= 2) or (p - 1) x f_0 (c = 1) of
+    forward beside it (`chunk_fwd`, one microbatch's); the rest is exposed."""
+    exposed = hidden = 0.0
+    for c in range(1, len(chunk_fwd)):
+        window = (p - 1 if c == 1 else p) * chunk_fwd[c - 1]
+        exposed += max(gathers[c - 1] - window, 0.0)
+        hidden += min(gathers[c - 1], window)
+    return exposed, hidden

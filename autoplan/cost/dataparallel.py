@@ -196,6 +196,10 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
                       lambda n: reduce_fn(n * wire, groups.expert, cluster))
         return [a + b for a, b in zip(d, e)]
 
+    def whole(span: range, fn: Callable[[float, GroupPlacement, ClusterSpec], float], nbytes: float) -> float:
+        return fn(sum(dense[i] for i in span) * nbytes, groups.dense, cluster) + fn(  # one collective of a chunk
+            sum(expert[i] for i in span) * nbytes, groups.expert, cluster)
+
     order, back = list(range(len(fwd))), list(reversed(range(len(fwd))))
     none = [0.0] * len(fwd)
     frac = dp_fraction(*(_group_s(numels, group, w, wire, reduce_fn, cluster) if any(expert) else 0.0
@@ -229,13 +233,9 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
                          + grad_buffer_passes_s(sum(dense) + sum(expert), cluster, config, layout, engine))
         if engine.dp_comm_overlap and engine.grad_sync_per_chunk and chunksync.applies(
                 config.pp, config.virtual_stages, rank.index):
-            starts = [sum(rank.chunks[:k]) for k in range(len(rank.chunks))]
-            spans = [range(a, a + n) for a, n in zip(starts, rank.chunks)]
-            whole = [reduce_fn(sum(dense[i] for i in s) * wire, groups.dense, cluster)
-                     + reduce_fn(sum(expert[i] for i in s) * wire, groups.expert, cluster) for s in spans]
-            exposed, hidden = chunksync.rank_chunk_tail_s([sum(bwd[i] for i in s) for s in spans],
-                                                          [sum(reduces(spans[0][::-1])), *whole[1:]],
-                                                          config.pp, rank.index)
+            spans = chunksync.chunk_spans(rank.chunks)
+            exposed, hidden = chunksync.rank_chunk_tail_s([sum(bwd[i] for i in s) for s in spans], [
+                sum(reduces(spans[0][::-1])), *(whole(s, reduce_fn, wire) for s in spans[1:])], config.pp, rank.index)
             rank.dp_tail += exposed + hidden_penalty_s(hidden, cluster, frac)
         elif engine.dp_comm_overlap:
             rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster, frac)
@@ -244,7 +244,14 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
                              + reduce_fn(sum(expert) * wire, groups.expert, cluster))
     if layout.weight_gathers_per_step:
         rank.param_gather += copy_out
-        if engine.param_gather_overlap:
+        if (engine.param_gather_overlap and engine.param_gather_per_chunk and len(rank.chunks) > 1
+                and not layout.shards_gradients):  # the distributed optimizer (ZeRO-1)
+            first, *later = chunksync.chunk_spans(rank.chunks)
+            shown, hidden = chunksync.later_gathers_s([sum(fwd[i] for i in s) for s in (first, *later)],
+                                                      [whole(s, comm.all_gather_s, w) for s in later], config.pp)
+            rank.param_gather += (_overlap([fwd[i] for i in first], gathers(first), [0.0] * len(first), True, True,
+                                           cluster, frac) + shown + hidden_penalty_s(hidden, cluster, frac))
+        elif engine.param_gather_overlap:
             rank.param_gather += _overlap(fwd, gathers(order), none, True, True, cluster, frac)
         else:
             rank.param_gather += (comm.all_gather_s(sum(dense) * w, groups.dense, cluster)

@@ -12,7 +12,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
-from autoplan.cost.estimate import fresh_grad_share, tied_pair
+from autoplan.cost.estimate import tied_pair
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.p2p import (
@@ -133,39 +133,3 @@ def tied_tail(per_rank: np.ndarray, offsets: np.ndarray, tied: np.ndarray, last:
         ends[:, 0] = np.where(tied > 0, first_end, ends[:, 0])
         ends[:, last] = np.where(tied > 0, last_end, ends[:, last])
     return np.maximum(ends.max(axis=1), 0.0)
-
-
-def chunk_sync_tail(chunk_reduce: np.ndarray, chunk_bwd: np.ndarray, frac: Any, pp: int
-                    ) -> tuple[np.ndarray, np.ndarray]:
-    """cost.chunksync.rank_chunk_tail_s (Engine.grad_sync_per_chunk) over [n, v, p] chunks (rank r's c-th
-    chunk's bucketed reduction and one microbatch's backward): (the ranks it applies to: every rank when
-    v > 1, all but the first stage when v == 1; their exposed seconds past their last backward, the queue of
-    chunk_windows_s's launches, plus the SM-contention share `frac` of the hidden rest)."""
-    v, r = chunk_bwd.shape[1], np.arange(pp)[None, :]
-    windows = [np.zeros_like(chunk_bwd[:, 0])]
-    for c in range(1, v):
-        windows.append((pp - r) * chunk_bwd[:, c - 1] + pp * chunk_bwd[:, : c - 1].sum(axis=1))
-    end = np.full(windows[0].shape, -np.inf)
-    for c in reversed(range(v)):  # chunk v-1 is launched first
-        end = np.maximum(end, -windows[c]) + chunk_reduce[:, c]
-    shown = np.maximum(end, 0.0)
-    tail = shown + frac * np.maximum(chunk_reduce.sum(axis=1) - shown, 0.0)
-    return np.broadcast_to((r > 0) | (v > 1), tail.shape), tail
-
-
-def chunk_terms(extra: dict[str, np.ndarray], rank_total: np.ndarray, bucketed: Any, lay: dict[str, np.ndarray],
-                m: np.ndarray | None, engine: Engine) -> tuple[np.ndarray, np.ndarray]:
-    """(reduction, backward) of each rank's chunks [n, v, p] for chunk_sync_tail: the first chunk's
-    chunk_grads in the engine's buckets (`bucketed(grads)`; without buckets the rank's per-layer collectives
-    `rank_total` [n, p] shared by the chunks' gradients), every later one's as one collective
-    (`bucketed(grads, np.inf)`: cost.chunksync, Megatron-Core's disable_bucketing), chunk_bwd less what
-    grad_freed_after_reduce takes off (cost.estimate with_fresh_grads, as assemble_shared's time)."""
-    grads, bwd = extra["chunk_grads"], extra["chunk_bwd"]
-    if engine.grad_freed_after_reduce:
-        bwd = bwd - extra["chunk_fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None, None] > 0,
-                                                            m[:, None, None], engine)
-    total = grads.sum(axis=1)
-    first = (bucketed(grads[:, 0]) if engine.dp_bucket_numel  # the rank's per-layer collectives, shared
-             else rank_total * grads[:, 0] / np.where(total > 0, total, 1.0))
-    red = [first] + [bucketed(grads[:, c], np.inf) for c in range(1, grads.shape[1])]
-    return np.stack([np.where(grads[:, c] > 0, r, 0.0) for c, r in enumerate(red)], axis=1), bwd

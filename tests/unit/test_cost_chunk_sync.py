@@ -14,14 +14,14 @@ from test_cost_graph_helper import a100_cluster, gpt_graph
 
 from autoplan import cost
 from autoplan.cost import comm
-from autoplan.cost.chunksync import chunk_windows_s, queued_tail_s, rank_chunk_tail_s
+from autoplan.cost.chunksync import chunk_windows_s, later_gathers_s, queued_tail_s, rank_chunk_tail_s
 from autoplan.cost.dataparallel import Rank, add_layers, dp_groups, rank_dp_times
 from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.types import LayerCost
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig
-from autoplan.search.pipeline_terms import chunk_sync_tail
+from autoplan.search.chunks import chunk_sync_tail
 
 CLUSTER = dataclasses.replace(a100_cluster(2), dtype="bf16")
 MCORE = dataclasses.replace(Engine.load("megatron-core"), grad_buffer_passes=False, dp_bucket_numel=10**12)
@@ -124,9 +124,40 @@ def test_1f1b_the_first_stage_keeps_its_hooks_the_others_reduce_after_the_cool_d
 
 
 def test_only_megatron_core_launches_per_chunk() -> None:
-    assert not Engine().grad_sync_per_chunk
+    assert not Engine().grad_sync_per_chunk and not Engine().param_gather_per_chunk
     for name in Engine.names():
-        assert Engine.load(name).grad_sync_per_chunk == (name == "megatron-core"), name
+        engine = Engine.load(name)
+        assert engine.grad_sync_per_chunk == engine.param_gather_per_chunk == (name == "megatron-core"), name
+
+
+def test_later_chunks_gathers_by_hand() -> None:
+    """p = 4, chunks' forwards 1, 2, 3: chunk 1's gather (5) beside 3 forwards of chunk 0 (3): 2 exposed;
+    chunk 2's (3) beside 4 of chunk 1 (8): hidden."""
+    assert later_gathers_s([1.0, 2.0, 3.0], [5.0, 3.0], 4) == (2.0, 6.0)
+    assert later_gathers_s([1.0], [], 4) == (0.0, 0.0)
+
+
+def _gather(rank: Rank, config: ParallelConfig, engine: Engine) -> float:
+    layout = zero_layout(config, 8, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
+    rank_dp_times(rank, CLUSTER, config, layout, engine, dp_groups(config, CLUSTER))
+    return rank.param_gather
+
+
+def test_the_distributed_optimizers_gathers_chunk_by_chunk_by_hand() -> None:
+    """Rank 1 of p = 4, ZeRO-1, three one-layer chunks (forward 1 ms each; 300, 600, 900 M bf16 weights): the
+    first chunk's gather before its forward, exposed; chunk 1's beside 3 forwards of chunk 0, chunk 2's beside
+    4 of chunk 1, the SM share of the hidden parts on top. ZeRO-2 (not the distributed optimizer) as before."""
+    config = ParallelConfig(pp=4, dp=4, zero=1, virtual_stages=3, schedule="interleaved")
+    n = [300_000_000, 600_000_000, 900_000_000]
+    group = dp_groups(config, CLUSTER).dense
+    g = [comm.all_gather_s(x * 2.0, group, CLUSTER) for x in n]
+    shown = [max(g[1] - 3e-3, 0.0), max(g[2] - 4e-3, 0.0)]
+    want = g[0] + sum(shown) + contention_fraction(CLUSTER, group) * (g[1] + g[2] - sum(shown))
+    assert math.isclose(_gather(_rank(1, [2e-3] * 3, n), config, MCORE), want, rel_tol=1e-12)
+    plain = dataclasses.replace(MCORE, param_gather_per_chunk=False)
+    assert _gather(_rank(1, [2e-3] * 3, n), config, plain) != pytest.approx(want)
+    zero2 = dataclasses.replace(config, zero=2)
+    assert _gather(_rank(1, [2e-3] * 3, n), zero2, MCORE) == _gather(_rank(1, [2e-3] * 3, n), zero2, plain)
 
 
 @pytest.mark.parametrize("fields", [{}, {"dp_bucket_numel": 0}, {"grad_freed_after_reduce": True}])
