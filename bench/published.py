@@ -89,6 +89,21 @@ def ends_alone_stages(graph: LayerGraph, num_stages: int) -> tuple[tuple[str, ..
                            [layer.role is LayerRole.BLOCK for layer in graph.layers], [0, *middle, 0])
 
 
+def embeddings_weighted_stages(graph: LayerGraph, num_stages: int) -> tuple[tuple[str, ...], ...]:
+    """DeepSpeed's --pp-partition-method 'type:transformer|embedding' (BLOOM, bigscience-workshop/bigscience
+    train/tr11-176B-ml/tr11-176B-ml.slurm; deepspeed/runtime/pipe/module.py _partition_layers: weight 1 for
+    each layer whose class name matches, 0 for the rest, ds_utils.partition_balanced over the stages): the
+    embedding and the tied head (EmbeddingPipe both) weigh one block each, so with blocks + 2 a multiple of
+    the stages every stage holds (blocks + 2) / stages of them: the first stage one block fewer (the
+    embedding), the last one fewer (the head). Other counts are not needed here and are refused."""
+    per, rest = divmod(len(graph.blocks) + 2, num_stages)
+    if rest or per < 1 or num_stages < 2:
+        raise ValueError(f"{len(graph.blocks)} blocks + 2 embeddings do not split evenly over {num_stages} stages")
+    counts = [per - 1, *[per] * (num_stages - 2), per - 1]
+    return split_by_counts([layer.name for layer in graph.layers],
+                           [layer.role is LayerRole.BLOCK for layer in graph.layers], counts)
+
+
 def engine_of(rec: dict) -> Engine:
     return dataclasses.replace(Engine.load(rec["engine"]), **rec.get("engine_overrides", {}))
 
@@ -109,6 +124,8 @@ def predict(rec: dict) -> Result:
     stages = None
     if rec.get("stage_layout") == "ends_alone":
         stages = ends_alone_stages(graph, config.pp * config.virtual_stages)
+    elif rec.get("stage_layout") == "embeddings_weighted":
+        stages = embeddings_weighted_stages(graph, config.pp * config.virtual_stages)
     est = estimate_config(graph, cluster, config, global_batch=rec["global_batch"], engine=engine_of(rec),
                           layer_recompute=overrides, stages=stages)
     step = measured_step_s(rec, cluster.peak_flops, est.model_flops)

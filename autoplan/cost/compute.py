@@ -248,7 +248,7 @@ def host_ops(layer: Layer, engine: Engine) -> tuple[float, float]:
 def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: ParallelConfig,
                   recompute: Recompute, *, scale: float, seq_len: int, graph_tokens: float,
                   dtype_bytes: int, scores_materialised: bool, engine: Engine | None = None,
-                  nonmatmul_ratio: float = 16.0) -> ComputeTimes:
+                  nonmatmul_ratio: float = 16.0, hp_grads: bool = False) -> ComputeTimes:
     """Forward, backward, weight-gradient and recompute time of one microbatch on one device.
 
     `scale` = (config microbatch / captured microbatch) / cp: the layer's captured quantities times
@@ -258,7 +258,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     the gradient buffer (read + write, 2 x GRAD_ACCUMULATE_BYTES per weight element: PyTorch
     AccumulateGrad / Megatron's --gradient-accumulation-fusion into main_grad); under
     engine.grad_freed_after_reduce also what those passes save when the gradient is None and autograd adopts
-    the GEMM's output (written once, dtype_bytes per element: fresh_grad_saving_s). Non-block layers run
+    the GEMM's output (written once, dtype_bytes per element: fresh_grad_saving_s), as under `hp_grads`
+    (Engine.hp_grads of the plan's dtype: BF16_Optimizer's clear_lp_grads). Non-block layers run
     their matmul total as one matmul. Attention: _attention_s. Elementwise: block_elementwise_bytes at
     streaming bandwidth, backward 1.5 x forward (it reads the output gradient and the saved input and
     writes one gradient: 3 accesses for the forward's 2; the materialised scores as score_backward_bytes
@@ -283,7 +284,8 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     module), twice in the backward; both are measured on CPU profiles and 0 on the shipped GPU ones.
     A block whose forward makes engine.block_forward_syncs device-synchronising host-to-device copies
     pays each one's H2D_SYNC_COPY_S + op_overhead_s per forward (sync_fwd_s; not under CUDA graphs, not
-    on a CPU profile, whose ops already run synchronously)."""
+    on a CPU profile, whose ops already run synchronously; under engine.launch_blocking the copy's latency
+    only: _sync_copies_s)."""
     engine = engine or Engine()
     t = config.tp
     tokens = graph_tokens * scale  # tokens this device processes (before the tp split of the matmuls)
@@ -307,7 +309,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
         dx_s = sum(gemm_pass_s(device, peak_flops, m, n, k, c, dtype_bytes) for m, k, n, c in groups)
         dws = [gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes, out_bytes=acc) for m, k, n, c in groups]
         dw_s = sum(dws)
-        if engine.grad_freed_after_reduce:  # the gradient is None: its GEMM's output is adopted, written once
+        if engine.grad_freed_after_reduce or hp_grads:  # .grad None: the GEMM's output is adopted
             fresh_s = dw_s - sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes) for m, k, n, c in groups)
         qkv_dw = dws[0] + (dws[-1] if engine.separate_qkv_projections else 0.0)
         wgrad_column = (qkv_dw, dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
@@ -354,12 +356,23 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     op = device.op_overhead_s + (device.tp_op_overhead_s if t > 1 else 0.0)
     hook = device.dp_layer_overhead_s if config.num_replicas * config.cp > 1 else 0.0
     syncs = engine.block_forward_syncs if layer.role is LayerRole.BLOCK and not engine.cuda_graphs else 0
-    sync = syncs * (H2D_SYNC_COPY_S + device.op_overhead_s) if not device.cpu_cores else 0.0
+    sync = _sync_copies_s(syncs, device, engine)
     return ComputeTimes(fwd_s=fwd, bwd_s=bwd, bwd_weight_s=dw_s, recompute_s=rec, attention_fwd_s=attention_fwd,
                         gemm_fwd_s=mm_s, gemm_bwd_s=dx_s + dw_s, host_fwd_s=ops_f * op + hook,
                         host_bwd_s=ops_b * op + 2.0 * hook, host_rec_s=ops_r * op + (hook if ops_r else 0.0),
                         wgrad_column_s=wgrad_column, sync_fwd_s=sync, margin_fwd_s=margin[0],
                         margin_bwd_s=margin[1], fresh_grad_saving_s=fresh_s)
+
+
+def _sync_copies_s(syncs: int, device: DeviceSpec, engine: Engine) -> float:
+    """What a forward's `syncs` device-synchronising host-to-device copies add after max(device, host): each
+    copy's H2D_SYNC_COPY_S and the drained device's idle while the host issues the next op (op_overhead_s).
+    Under engine.launch_blocking the host and device times already add (cost/layer.py _with_host), the
+    next op's issue among them, and the queue is always empty: only the copy's own latency remains. None
+    on a CPU profile (a host memcpy, part of the op)."""
+    if device.cpu_cores:
+        return 0.0
+    return syncs * (H2D_SYNC_COPY_S + (0.0 if engine.launch_blocking else device.op_overhead_s))
 
 
 def embedding_grad_add_s(layer: Layer, device: DeviceSpec, tp: int, dtype_bytes: int, engine: Engine) -> float:

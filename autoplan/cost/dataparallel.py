@@ -13,6 +13,7 @@ from autoplan.cost import chunksync, comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.compute import block_shape
 from autoplan.cost.experts import expert_dp_placement
+from autoplan.cost.fsdpunits import unit_numels
 from autoplan.cost.gradpasses import (
     ddp_grad_passes_s,
     grad_buffer_passes_s,
@@ -22,6 +23,7 @@ from autoplan.cost.gradpasses import (
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.memory import state_bytes_per_param
 from autoplan.cost.overlap import contention_fraction, exposed_s, hidden_penalty_s, mixed_fraction
+from autoplan.cost.pipeline import nic_shared_reduce_s
 from autoplan.cost.types import GroupPlacement, LayerCost
 from autoplan.graph.types import Layer, LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
@@ -84,6 +86,7 @@ class Rank:
     dp_tail: float = 0.0  # gradient reduction after the last microbatch, not hidden by the backward
     param_gather: float = 0.0  # the once-per-step weight all-gather, exposed part
     async_reduce: float = 0.0  # per microbatch: the reductions an asynchronous stream runs (pipeline.reduce_stream_floor_s)
+    pp_nic: float = 0.0  # per microbatch: its pipeline hops that cross nodes, on the NIC (pipeline.nic_shared_reduce_s)
     costs: list[LayerCost] = field(default_factory=list)
     layers: list[Layer] = field(default_factory=list)
     chunks: list[int] = field(default_factory=list)  # layers per model chunk, in model order (add_layers)
@@ -185,12 +188,19 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     fwd = [c.fwd_s + c.fwd_comm_s for c in rank.costs]
     bwd = [c.time_s - f for c, f in zip(rank.costs, fwd)]
 
-    def gathers(order: Sequence[int]) -> list[float]:
-        return [comm.all_gather_s(dense[i] * w, groups.dense, cluster)
+    # FSDP2's groups (cost/fsdpunits.py); a rank running several chunks has one root group per chunk: not
+    # modelled, each layer then moves its own
+    units = unit_numels(rank.layers, dense, engine) if engine.zero3 == "fsdp2" and config.virtual_stages == 1 else None
+    gather_f = list(units.fwd_gather) if units else dense
+    gather_b = list(units.bwd_gather) if units else dense
+    reduced = list(units.reduce) if units else dense
+
+    def gathers(order: Sequence[int], numels: Sequence[float]) -> list[float]:
+        return [comm.all_gather_s(numels[i] * w, groups.dense, cluster)
                 + comm.all_gather_s(expert[i] * w, groups.expert, cluster) for i in order]
 
     def reduces(order: Sequence[int]) -> list[float]:
-        d = _bucketed([dense[i] for i in order], engine.dp_bucket_numel,
+        d = _bucketed([reduced[i] for i in order], engine.dp_bucket_numel,
                       lambda n: reduce_fn(n * wire, groups.dense, cluster))
         e = _bucketed([expert[i] for i in order], engine.dp_bucket_numel,
                       lambda n: reduce_fn(n * wire, groups.expert, cluster))
@@ -208,22 +218,26 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     # stream (torch.distributed.fsdp _fsdp_param_group.wait_for_unshard -> foreach_all_gather_copy_out):
     # a read and a write of the unsharded weights per gather
     copy_out = memory_time_s(cluster.device, 2.0 * w * (sum(dense) + sum(expert))) if engine.gather_copy_out else 0.0
+    copy_out_b = (memory_time_s(cluster.device, 2.0 * w * (sum(gather_b) + sum(expert))) if engine.gather_copy_out
+                  else 0.0)  # the backward's gathers only (fsdpunits: a root or last block kept gathered)
     copy_in = reduce_copy_in_s(sum(dense) + sum(expert), cluster, layout, engine)
     dp_f = dp_b = 0.0
     if async_reduce(layout, engine):
         post = reduces(back)
         dp_b, tail = async_reduce_s(fwd, bwd[::-1], post, cluster, frac)
-        rank.async_reduce = sum(post)
+        shared, stream = _nic_shared(rank, config, groups, sum(post), sum(fwd) + sum(bwd), cluster)
+        dp_b += shared
+        rank.async_reduce = sum(post) + stream
         dp_b += copy_in
         rank.dp_tail += tail
     if layout.weight_gathers_per_microbatch >= 2:
-        dp_f = _overlap(fwd, gathers(order), none, engine.param_gather_overlap, True, cluster, frac) + copy_out
+        dp_f = _overlap(fwd, gathers(order, gather_f), none, engine.param_gather_overlap, True, cluster, frac) + copy_out
     if not async_reduce(layout, engine) and (layout.weight_gathers_per_microbatch >= 1
                                              or layout.reduce_every_microbatch):
-        pre = gathers(back) if layout.weight_gathers_per_microbatch >= 1 else none
+        pre = gathers(back, gather_b) if layout.weight_gathers_per_microbatch >= 1 else none
         post = reduces(back) if layout.reduce_every_microbatch else none
         dp_b = _overlap(bwd[::-1], pre, post, engine.param_gather_overlap, engine.dp_comm_overlap, cluster, frac)
-        dp_b += copy_out if layout.weight_gathers_per_microbatch >= 1 else 0.0
+        dp_b += copy_out_b if layout.weight_gathers_per_microbatch >= 1 else 0.0
         dp_b += copy_in if layout.reduce_every_microbatch else 0.0
     rank.dp += dp_f + dp_b
     rank.fwd += dp_f
@@ -249,10 +263,10 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
             first, *later = chunksync.chunk_spans(rank.chunks)
             shown, hidden = chunksync.later_gathers_s([sum(fwd[i] for i in s) for s in (first, *later)],
                                                       [whole(s, comm.all_gather_s, w) for s in later], config.pp)
-            rank.param_gather += (_overlap([fwd[i] for i in first], gathers(first), [0.0] * len(first), True, True,
+            rank.param_gather += (_overlap([fwd[i] for i in first], gathers(first, gather_f), [0.0] * len(first), True, True,
                                            cluster, frac) + shown + hidden_penalty_s(hidden, cluster, frac))
         elif engine.param_gather_overlap:
-            rank.param_gather += _overlap(fwd, gathers(order), none, True, True, cluster, frac)
+            rank.param_gather += _overlap(fwd, gathers(order, gather_f), none, True, True, cluster, frac)
         else:
             rank.param_gather += (comm.all_gather_s(sum(dense) * w, groups.dense, cluster)
                                   + comm.all_gather_s(sum(expert) * w, groups.expert, cluster))
@@ -283,6 +297,18 @@ def async_reduce_s(fwd: Sequence[float], bwd_order: Sequence[float], post: Seque
     per_microbatch = exposed + hidden_penalty_s(total - exposed, cluster, frac)
     waited = _overlap(bwd_order, [0.0] * len(post), post, True, True, cluster, frac)
     return per_microbatch, max(waited - per_microbatch, 0.0)
+
+
+def _nic_shared(rank: Rank, config: ParallelConfig, groups: DpGroups, reduce: float, compute: float,
+                cluster: ClusterSpec) -> tuple[float, float]:
+    """pipeline.nic_shared_reduce_s for a rank whose asynchronous reductions cross nodes: beside them on its
+    NIC, the CP exchange when the cp group crosses nodes too, and the pipeline hops that do (Rank.pp_nic)."""
+    if not groups.dense.crosses_nodes:
+        return 0.0, 0.0
+    cp_nic = comm.group_placement(config, ("cp",), cluster.devices_per_node).crosses_nodes
+    nic_in = sum(c.cp_comm_s for c in rank.costs) if cp_nic else 0.0
+    shared, stream = nic_shared_reduce_s(reduce, compute, nic_in, rank.pp_nic)
+    return float(shared), float(stream)
 
 
 def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
@@ -351,25 +377,33 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     launch = ds.CXX_COPY_OP * n * op if engine.zero3_gather_copy_out else 0.0
     blocked = ds.CXX_COPY_OP * max(n - ds.PENDING_LAUNCHES, 0) * op if engine.zero3_gather_copy_out else 0.0
 
-    def reduce_s(numel: float) -> float:
+    def reduce_s(numel: float, passes: float = 3.0) -> float:
         # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
         # flatten the bucket, divide by n, reduce, copy back into the gradients: three read + write passes
         fallback = engine.zero3_grad_reduction == "all_reduce"
-        passes = memory_time_s(cluster.device, 3.0 * 2.0 * numel * wire) if fallback else 0.0
-        return reduce_fn(numel * wire, groups.dense, cluster) + passes
+        copies = memory_time_s(cluster.device, passes * 2.0 * numel * wire) if fallback else 0.0
+        return reduce_fn(numel * wire, groups.dense, cluster) + copies
+
+    def single_s(numel: float) -> float:
+        # one gradient: util_ops.flatten -> torch::utils::flatten_dense_tensors returns a view of a single
+        # tensor (torch/csrc/utils/tensor_flatten.h), the copy back onto that same memory still runs (copy_
+        # short-circuits views of the same data only from pytorch/pytorch PR #88884, 2022-11): two passes
+        return reduce_s(numel, 2.0)
 
     full = config.recompute.value == "full"
     layers = []
     for c, layer in zip(rank.costs, rank.layers):
         numels = layer_numels(layer, c, graph, config)
+        small = layer_small_numels(layer, c, graph, config) if engine.zero3_small_grad_hooks else []
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
         # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
         norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
         layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
-                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full))
+                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full,
+                                       small))
     fwd, bwd, hidden = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
                                        issue_s=issue, fill_s=fill_s, launch_s=launch,
-                                       blocked_s=blocked)
+                                       blocked_s=blocked, single_s=single_s)
     base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
     base_b = sum(c.time_s for c in rank.costs) - base_f
     exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)

@@ -28,6 +28,9 @@
   all-reduce or a reduce-scatter, one bucket at a time on the reduction stream: the hook of the gradient
   that would overflow the bucket reduces it (reduce_independent_p_g_buckets_and_remove_grads), so it runs
   beside that gradient's sub-module's backward, and the next fetch's device synchronize waits for it;
+  with zero3_small_grad_hooks the small parameters' gradients fill the buckets too (every parameter is
+  hooked), in autograd's order (cost/zero3_grads.py gpt_grad_hooks): a bias or LayerNorm gradient that
+  arrives just before a fetch flushes the bucket there, and its reduction runs while that gather waits;
 - with zero3_gather_copy_out, each gather costs the host a narrow and a copy per rank (GATHER_OPS_PER_RANK;
   PyTorch 1.8 and DeepSpeed read at 29b444b6c):
   _allgather_param builds the list of n output views in Python (`for i in range(world_size):
@@ -59,6 +62,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from autoplan.cost.zero3_grads import GPT_SMALL, Bucket, gpt_grad_hooks
 from autoplan.plan.engine import Engine
 
 # Host cost of the small ops in DeepSpeed's per-rank loops, in eager ops (device.op_overhead_s: Python,
@@ -108,17 +112,24 @@ class Module:
     bwd_s: float
     host_fwd_s: float = 0.0
     host_bwd_s: float = 0.0
+    grads_before: tuple[float, ...] = ()  # small gradients whose hooks fire before its backward fetch
+    grads_with: tuple[float, ...] = ()  # ... from its own backward node, after its weight's
+    grads_after: tuple[float, ...] = ()  # ... after its backward, before the next module's fetch
 
 
 def block_modules(numels: Sequence[float], fwd_s: float, bwd_s: float, rec_s: float, host_s: float,
-                  recompute: bool) -> tuple[list[Module], list[Module]]:
+                  recompute: bool, small: Sequence[float] = ()) -> tuple[list[Module], list[Module]]:
     """(forward modules, recomputed-forward modules) of one layer, its time split by parameter share
     (the weight matmuls dominate a block's time; a layer with one module takes all of it). Host time
-    splits the same way over forward, recompute and backward (1 : 1 : 2, compute.BACKWARD_OPS_PER_FORWARD_OP)."""
+    splits the same way over forward, recompute and backward (1 : 1 : 2, compute.BACKWARD_OPS_PER_FORWARD_OP).
+    `small`: the block's other parameters whose gradient hooks join the buckets (gpt_grad_hooks), or none."""
     total = sum(numels) or 1.0
     host_f = host_s / (4.0 if recompute else 3.0)
+    gpt = len(small) == len(GPT_SMALL) and len(numels) == 4
+    hooks = gpt_grad_hooks(small) if gpt else [((), (), ())] * len(numels)
     mods = [Module(numel=n, fwd_s=fwd_s * n / total, bwd_s=bwd_s * n / total, host_fwd_s=host_f * n / total,
-                   host_bwd_s=2.0 * host_f * n / total) for n in numels]
+                   host_bwd_s=2.0 * host_f * n / total, grads_before=b, grads_with=w, grads_after=a)
+            for n, (b, w, a) in zip(numels, hooks)]
     recs = [Module(numel=n, fwd_s=rec_s * n / total, bwd_s=0.0, host_fwd_s=host_f * n / total) for n in numels]
     return mods, recs
 
@@ -126,7 +137,8 @@ def block_modules(numels: Sequence[float], fwd_s: float, bwd_s: float, rec_s: fl
 def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: Engine, *, recompute: bool,
                  gather_s: Callable[[float], float], reduce_s: Callable[[float], float],
                  issue_s: float = 0.0, fill_s: Callable[[float], float] | None = None,
-                 launch_s: float = 0.0, blocked_s: float = 0.0) -> tuple[float, float, float]:
+                 launch_s: float = 0.0, blocked_s: float = 0.0,
+                 single_s: Callable[[float], float] | None = None) -> tuple[float, float, float]:
     """(forward, backward, hidden communication) seconds of one microbatch through `layers` (model order),
     each layer given as (its modules, its recomputed-forward modules). gather_s(numel) prices one
     parameter's all-gather on the communication stream, reduce_s(numel) one gradient bucket's
@@ -134,15 +146,17 @@ def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: En
     the zero fill of its output buffer that the device synchronize before the gather waits for, both on
     the compute stream's critical path, and launch_s the host time after it is enqueued (the copy-out
     launches), which runs while the gather moves data, but for blocked_s of it (the launches past the
-    stream's queue, PENDING_LAUNCHES), which follow the gather's end. Forward and backward are makespans
+    stream's queue, PENDING_LAUNCHES), which follow the gather's end; single_s(numel), if given, prices a
+    bucket holding one gradient instead of reduce_s. Forward and backward are makespans
     of _simulate, host time included; the hidden communication is the time collectives ran beside the compute."""
-    sync = engine.zero3_sync_per_module
+    sync = sync_adds_host(engine)
     fwd_steps = [_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
                        partitioned=_partitioned(m, engine), keep=False)
                  for li, (mods, _) in enumerate(layers) for mi, m in enumerate(mods)]
     host = _Issue(before=issue_s, after=launch_s, blocked=blocked_s, fill=fill_s)
     fwd, hidden_f = _simulate(fwd_steps, engine, gather_s, host)
-    bwd, hidden_b = _simulate(_backward_steps(layers, engine, recompute, reduce_s, sync), engine, gather_s, host)
+    bucket = Bucket(limit=engine.zero3_reduce_bucket_numel, reduce_s=reduce_s, single_s=single_s)
+    bwd, hidden_b = _simulate(_backward_steps(layers, engine, recompute, bucket, sync), engine, gather_s, host)
     return fwd, bwd, hidden_f + hidden_b
 
 
@@ -161,16 +175,18 @@ class _Issue:
 @dataclass(frozen=True, slots=True)
 class _Step:
     """One sub-module's use: which parameter (key), its size, its compute, whether it is partitioned,
-    whether it stays gathered after (reuse within zero3_max_reuse_numel), the reduction its gradient hook
-    issues as its compute runs (the previous bucket) and the one queued after it (the last bucket)."""
+    whether it stays gathered after (reuse within zero3_max_reuse_numel), and the bucket reductions that
+    gradient hooks issue before its fetch (pre), as its compute runs (reduce: its own gradients' hooks,
+    run once its backward kernels are launched) and after it (post; the last bucket)."""
 
     key: tuple[int, int]
     numel: float
     compute: float
     partitioned: bool
     keep: bool
-    reduce: float = 0.0
-    post: float = 0.0
+    pre: tuple[float, ...] = ()
+    reduce: tuple[float, ...] = ()
+    post: tuple[float, ...] = ()
 
 
 def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], float],
@@ -189,6 +205,8 @@ def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], fl
     prefetch = engine.param_gather_overlap and engine.zero3_trace_aligned
     t = _Lines(engine=engine, host=host, gather_s=gather_s)
     for k, st in enumerate(steps):
+        for r in st.pre:  # queued on the communication line before this module's gather
+            t.now = t.reduce(t.now, r)
         ready = t.now
         if st.key in inflight:  # prefetched: wait for it (and, synchronizing the device, for the rest)
             ready = max(t.now, inflight.pop(st.key), t.comm_free if engine.zero3_sync_per_module else 0.0)
@@ -200,15 +218,16 @@ def _simulate(steps: list[_Step], engine: Engine, gather_s: Callable[[float], fl
                 and sum(held.values()) < engine.zero3_max_live_numel):
             inflight[nxt.key] = t.gather(nxt.numel)
             held[nxt.key] = nxt.numel  # counted as available once prefetched (_increment_available_parameter_numel)
-        start = max(t.now, ready)
-        if st.reduce > 0:
-            start = t.reduce(start, st.reduce)
-        t.now = start + st.compute
-        t.computing.append((start, t.now))
+        start = issued = max(t.now, ready)
+        for i, r in enumerate(st.reduce):  # each hook first waits for the previous bucket's reduction
+            issued = t.reduce(issued, r)
+            start = issued if i == 0 else start
+        t.now = max(start + st.compute, issued)
+        t.computing.append((start, start + st.compute))
         if not st.keep:
             held.pop(st.key, None)
-        if st.post > 0:
-            t.now = t.reduce(t.now, st.post)
+        for r in st.post:
+            t.now = t.reduce(t.now, r)
     return max(t.now, t.comm_free), _intersection(t.busy, t.computing)
 
 
@@ -270,6 +289,13 @@ def _partitioned(m: Module, engine: Engine) -> bool:
     return m.numel >= engine.zero3_persistence_numel
 
 
+def sync_adds_host(engine: Engine) -> bool:
+    """Whether a sub-module's host time adds to its kernels here: after zero3_sync_per_module's device sync
+    the queue is empty, so the host cannot run ahead; under launch_blocking the layer costs already add them
+    (cost/layer.py _with_host), so adding again would count the host twice."""
+    return engine.zero3_sync_per_module and not engine.launch_blocking
+
+
 def _step(m: Module, *, backward: bool, sync: bool) -> float:
     """A module's time on the compute stream: its kernels (which include the host time as
     max(device, host)), or kernels + host when a device sync before it empties the queue."""
@@ -278,7 +304,7 @@ def _step(m: Module, *, backward: bool, sync: bool) -> float:
     return dev + host if sync else dev
 
 
-def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: bool) -> list[_Step]:
+def _backward_steps(layers, engine: Engine, recompute: bool, bucket: Bucket, sync: bool) -> list[_Step]:
     """Layers in reverse: the recomputed forward (gathering again; a module stays gathered if fewer than
     zero3_max_reuse_numel elements are used between its recomputed forward and its backward: stage3.py
     _keep_for_later -> get_reuse_distance_in_numel sums the parameters of the traced sub-modules in
@@ -288,9 +314,10 @@ def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: boo
     reduce_independent_p_g_buckets_and_remove_grads does: when a gradient would overflow the bucket
     (`elements_in_ipg_bucket + param.ds_numel > reduce_bucket_size`), its hook first reduces the bucket so
     far (reduce_ipg_grads), then starts the next with it; the last bucket is reduced after the backward
-    (independent_gradient_partition_epilogue)."""
+    (independent_gradient_partition_epilogue). A module's small gradients (Module.grads_before / with /
+    after, gpt_grad_hooks) fill the buckets too, at their hooks: a bucket that one of them flushes before a
+    fetch is reduced while the host waits for that gather, beside no compute."""
     steps: list[_Step] = []
-    bucket = 0.0
     for li in reversed(range(len(layers))):
         mods, recs = layers[li]
         if recompute:
@@ -303,13 +330,11 @@ def _backward_steps(layers, engine: Engine, recompute: bool, reduce_s, sync: boo
                                    keep=engine.zero3_trace_aligned and used_since < engine.zero3_max_reuse_numel))
         for mi in reversed(range(len(mods))):
             m = mods[mi]
-            flush = bucket > 0 and bucket + m.numel > engine.zero3_reduce_bucket_numel
             steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=True, sync=sync),
-                               partitioned=_partitioned(m, engine), keep=False,
-                               reduce=reduce_s(bucket) if flush else 0.0))
-            bucket = (0.0 if flush else bucket) + m.numel
-    if bucket and steps:
-        steps[-1] = dataclasses.replace(steps[-1], post=reduce_s(bucket))
+                               partitioned=_partitioned(m, engine), keep=False, pre=bucket.arrive(m.grads_before),
+                               reduce=bucket.arrive((m.numel, *m.grads_with)), post=bucket.arrive(m.grads_after)))
+    if bucket.numel and steps:
+        steps[-1] = dataclasses.replace(steps[-1], post=(*steps[-1].post, bucket.flush()))
     return steps
 
 

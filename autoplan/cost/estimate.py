@@ -105,12 +105,13 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     stages = (default_split(graph, cluster, config, global_batch) if stages is None
               else check_stages(graph, stages, p * v))
     placement = stage_ranks(config)  # the executor places stages with the same function
-    layout = zero_layout(config, m, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync)
+    layout = zero_layout(config, m, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync,
+                         zero1_all_reduce=engine.zero1_all_reduces(cluster.dtype))
     envs: dict[int, StageEnv] = {}
     for view in views:
         if id(view) not in envs:
             costs = with_fresh_grads(_layer_costs(graph, view, config, layer_recompute, engine),
-                                     fresh_grad_share(layout.reduce_every_microbatch, m, engine))
+                                     fresh_grad_share(layout.reduce_every_microbatch, m, engine, cluster.dtype))
             envs[id(view)] = StageEnv(view=view, costs=costs,
                                   groups=dp_groups(config, view),
                                   pp_cross=comm.group_placement(config, ("pp",), view.devices_per_node).crosses_nodes)
@@ -197,12 +198,17 @@ def step_tail_s(dp_tails: list[float], offsets: list[float], last: int, tied: fl
     return max(0.0, max(ends))
 
 
-def fresh_grad_share(reduce_every_microbatch: Any, m: Any, engine: Engine) -> Any:
+def fresh_grad_share(reduce_every_microbatch: Any, m: Any, engine: Engine, dtype: str) -> Any:
     """Share of a step's microbatches whose weight gradients land in a freed .grad under
     engine.grad_freed_after_reduce: every one when the layout reduces every microbatch (FSDP2's post_backward
     frees each unsharded gradient after its reduce-scatter), else the step's first of m (the gradients
-    accumulate after optimizer.zero_grad(set_to_none=True)); 0 without the engine field. Scalars (the exact
-    model: ZeroLayout.reduce_every_microbatch) or numpy arrays of candidates (the quick estimate)."""
+    accumulate after optimizer.zero_grad(set_to_none=True)); 0 without the engine field. Every one under
+    engine.bf16_optimizer_grads for a bf16 plan (Engine.hp_grads: BF16_Optimizer.clear_lp_grads sets each .grad
+    to None before every microbatch's backward: layer.hp_grad_update_s). Scalars (the exact model: ZeroLayout.reduce_every_microbatch)
+    or numpy arrays of candidates (the quick estimate)."""
+    if engine.hp_grads(dtype):
+        return 1.0 if np.ndim(reduce_every_microbatch) == 0 and np.ndim(m) == 0 else np.ones(np.broadcast(
+            reduce_every_microbatch, m).shape)
     if not engine.grad_freed_after_reduce:
         return 0.0
     if np.ndim(reduce_every_microbatch) == 0 and np.ndim(m) == 0:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 from functools import lru_cache
 
-from autoplan.cluster.types import ClusterSpec
+from autoplan.cluster.types import ClusterSpec, DeviceSpec
 from autoplan.cost import comm
 from autoplan.cost.compute import BlockShape, ComputeTimes, block_shape, expert_divisor, layer_compute
 from autoplan.cost.experts import folded_expert_comm_s
+from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.memory import block_activation_bytes, layer_param_counts, other_activation_bytes
 from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.types import LayerCost
@@ -61,7 +62,8 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
                                           or _scores_materialised(layer, shape, graph_microbatch, seq_len))
     times = layer_compute(layer, device, cluster.peak_flops, config, recompute, scale=scale, seq_len=seq_len,
                           graph_tokens=graph_tokens, dtype_bytes=dbytes, scores_materialised=materialised,
-                          engine=engine, nonmatmul_ratio=_nonmatmul_ratio(cluster))
+                          engine=engine, nonmatmul_ratio=_nonmatmul_ratio(cluster),
+                          hp_grads=engine.hp_grads(cluster.dtype))
     tokens = graph_tokens * scale
     if shape is not None:
         held, work = block_activation_bytes(shape, config.microbatch, seq_len, config, recompute, dbytes,
@@ -72,21 +74,44 @@ def _layer_cost(layer: Layer, cluster: ClusterSpec, config: ParallelConfig, reco
         held, work = other_activation_bytes(layer, scale, config, recompute, ratio)
         hidden_bytes = layer.output_bytes * scale * ratio
     param_count, dense, expert = layer_param_counts(layer, shape, config, engine)
+    hp = hp_grad_update_s(dense + expert, device, engine, cluster.dtype)
+    times = dataclasses.replace(times, bwd_s=times.bwd_s + hp) if hp else times
     tp_fwd, tp_total = _tp_comm_s(layer, shape, cluster, config, recompute, hidden_bytes, scale * ratio,
                                   times, engine)
     cp_fwd, cp_total = _cp_comm_s(shape, cluster, config, recompute, tokens * config.cp, dbytes,
                                   times.attention_fwd_s, engine)
     ep_fwd, ep_total = _ep_comm_s(shape, cluster, config, recompute, tokens, dbytes)
-    fwd_s, bwd_s, rec_s = _with_host(times, recompute, layer, serial=bool(cluster.device.cpu_cores))
+    serial = bool(cluster.device.cpu_cores) or engine.launch_blocking
+    fwd_s, bwd_s, rec_s = _with_host(times, recompute, layer, serial=serial)
     return LayerCost(
         fwd_s=fwd_s, bwd_s=bwd_s, bwd_weight_s=times.bwd_weight_s, recompute_s=rec_s,
         tp_comm_s=tp_total, cp_comm_s=cp_total, ep_comm_s=ep_total,
         act_mem_bytes=int(held), param_count=param_count, grad_param_count=dense, expert_param_count=expert,
         output_bytes=int(hidden_bytes / config.tp), work_mem_bytes=int(work),
         fwd_comm_s=tp_fwd + cp_fwd + ep_fwd, host_s=_host_total(times, recompute, layer),
-        fresh_grad_saving_s=_fresh_saving_s(times, recompute, layer, bwd_s, serial=bool(cluster.device.cpu_cores)),
+        fresh_grad_saving_s=_fresh_saving_s(times, recompute, layer, bwd_s, serial=serial),
         device_s=times.fwd_s + times.bwd_s + (times.recompute_s if layer.role is LayerRole.BLOCK else 0.0),
     )
+
+
+# DeepSpeed's BF16_Optimizer.update_hp_grads (deepspeed/runtime/bf16_optimizer.py, 2022: `hp_grad.data.add_(
+# lp.grad.data.to(hp_grad.dtype).view(hp_grad.shape))`) per gradient element: the cast reads the bf16 gradient
+# (2) and writes an fp32 copy (4), the add_ reads that copy and the fp32 gradient (4 + 4) and writes it (4)
+HP_GRAD_UPDATE_BYTES = 2 + 4 + 4 + 4 + 4
+
+
+def hp_grad_update_s(numel: float, device: DeviceSpec, engine: Engine, dtype: str) -> float:
+    """What Engine.bf16_optimizer_grads adds to each microbatch's backward of a `dtype` plan (only bf16 builds
+    the BF16_Optimizer: Engine.hp_grads) on the compute stream: DeepSpeed's
+    pipeline engine calls BF16_Optimizer.update_hp_grads after every backward (deepspeed/runtime/pipe/
+    engine.py _exec_backward_pass: "manually call because we don't call optimizer.backward()"; the last
+    stage's engine.backward -> BF16_Optimizer.backward does the same), a memory-bound pass of
+    HP_GRAD_UPDATE_BYTES over the layer's `numel` local gradients. Its clear_lp_grads before the backward
+    (`param.grad = None`) makes every microbatch's gradients fresh (estimate.fresh_grad_share). 0 without
+    the field or for an fp16 / fp32 plan."""
+    if not engine.hp_grads(dtype) or numel <= 0:
+        return 0.0
+    return memory_time_s(device, HP_GRAD_UPDATE_BYTES * numel)
 
 
 def _nonmatmul_ratio(cluster: ClusterSpec) -> float:
@@ -102,7 +127,9 @@ def _with_host(times: ComputeTimes, recompute: Recompute, layer: Layer,
     max(device time, host time) (H. He, "Making Deep Learning Go Brrrr From First Principles", 2022:
     an overhead-bound model runs at the host's pace), a fully recomputed forward issuing its forward's
     ops again. Small layers at small microbatches are bound by it. `serial` (a CPU rank: the thread that
-    issues an op also computes it, torch's CPU kernels run synchronously): host and device times add.
+    issues an op also computes it, torch's CPU kernels run synchronously; or a GPU under Engine.launch_blocking,
+    CUDA_LAUNCH_BLOCKING=1: each launch returns only when its kernel has run, so the host prepares the next
+    op while the device idles, and the device runs while the host waits): host and device times add.
     The block's device-synchronising copies (times.sync_fwd_s) add to the forward and to a fully
     recomputed forward after that: neither the host nor the device runs during them."""
     combine = (lambda a, b: a + b) if serial else max
@@ -216,7 +243,16 @@ def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelC
     Load balance: attention FLOPs split evenly over cp, as in the load-balanced split of the published
     runtimes (rank i holds chunks i and 2cp-1-i of 2cp: Megatron-core CP; Llama 3, Dubey et al. 2024,
     section 3.3.2; torchtitan's context_parallel). autoplan's own executor (execute/context.py) uses the
-    same split and exchanges only the kv heads (the bytes above)."""
+    same split and exchanges only the kv heads (the bytes above).
+
+    engine.cp_separate_kv_collectives (the exposed exchange only): K and V are all-gathered, and dK and dV
+    reduce-scattered, by a collective each, so each exchange pays two collectives' latency on half the
+    bytes: Transformer Engine's all-gather CP, written after Llama 3's section 3.3.2
+    (transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py
+    AttnFuncWithCPAndKVAllGather: forward `gather_along_first_dim(k, cp_group)` then `(v, cp_group)`,
+    backward the same two again, then `reduce_scatter_along_first_dim(dk, ...)` and `(dv, ...)`), and
+    autoplan's executor (execute/context.py ContextParallelCore: gather_sequence of K, then of V, whose
+    autograd backwards reduce-scatter each)."""
     if config.cp == 1 or shape is None:
         return 0.0, 0.0
     group = comm.group_placement(config, ("cp",), cluster.devices_per_node)
@@ -226,8 +262,10 @@ def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelC
         fwd = max(gather - attention_fwd_s, 0.0)
         bwd = max(2.0 * gather - 2.0 * attention_fwd_s, 0.0)
         return fwd, fwd + bwd + (fwd if recompute is Recompute.FULL else 0.0)
+    pieces = 2 if engine.cp_separate_kv_collectives else 1
+    gather = pieces * comm.all_gather_s(kv_bytes / pieces, group, cluster)
     regather = 0.0 if engine.cp_saves_gathered_kv else gather
-    bwd = regather + comm.reduce_scatter_s(kv_bytes, group, cluster)
+    bwd = regather + pieces * comm.reduce_scatter_s(kv_bytes / pieces, group, cluster)
     again = recompute is Recompute.FULL or (recompute is Recompute.SELECTIVE and not engine.cp_saves_gathered_kv)
     return gather, gather + bwd + (gather if again else 0.0)
 

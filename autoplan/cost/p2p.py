@@ -147,6 +147,9 @@ def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes
         _add_partitioned(ranks, a, b, env_of, out_bytes, config)
     gather_fwd = pp_recv_gather_s(out_bytes, config, env_b.view, engine)
     gather_bwd = pp_recv_gather_s(out_bytes, config, env_a.view, engine)
+    if inter or env_a.pp_cross:  # on the NIC the data-parallel traffic may use too (pipeline.nic_shared_reduce_s)
+        ranks[a].pp_nic += hop
+        ranks[b].pp_nic += hop
     ranks[a].pp += hop + gather_bwd
     ranks[a].fwd += hop
     ranks[a].bwd += gather_bwd

@@ -154,16 +154,32 @@ def softmax_fallback_bytes(shape: BlockShape | None, batch_heads: float, s_q: fl
     return PassBytes(fwd=fwd, bwd=scores * (SOFTMAX_FALLBACK_BWD_BYTES - dtype_bytes), attention_fwd=fwd)
 
 
+def score_bias_bytes(batch_heads: float, s_q: float, s_k: float, dtype_bytes: int, engine: Engine) -> float:
+    """Forward bytes Engine.score_bias_input adds inside the attention core: BLOOM's ALiBi enters as the input
+    of the score GEMM (bigscience-workshop/Megatron-DeepSpeed megatron/model/transformer.py
+    ParallelAttention.forward: `matmul_result = alibi[:b * np, :, :sk]`, a [b np, 1, sk] bias, then
+    torch.baddbmm(matmul_result, Q, K^T, beta=beta, alpha=1 / norm_factor) with beta 1 or 1 / layer_number,
+    where the plain path passes torch.empty and beta=0.0). PyTorch's CUDA baddbmm (aten/src/ATen/native/cuda/
+    Blas.cpp baddbmm_out_cuda, 1.x: expand_size(self, {b np, sq, sk}) into baddbmm_out_cuda_impl) copies the
+    expanded bias into the result before cuBLAS's bgemm, which reads it back as C because beta != 0: a write
+    and a read of the batch_heads x s_q x s_k scores in the training dtype. The bias needs no gradient (built
+    once, no requires_grad), so the backward is unchanged."""
+    if not engine.score_bias_input:
+        return 0.0
+    return 2.0 * batch_heads * s_q * s_k * dtype_bytes
+
+
 def block_pass_bytes(shape: BlockShape | None, tokens: float, config: ParallelConfig, seq_len: int,
                      dtype_bytes: int, engine: Engine, scores_materialised: bool) -> tuple[PassBytes, bool]:
-    """All of a block's engine passes (extra_pass_bytes, plus softmax_fallback_bytes when its scores are
-    materialised: config.microbatch x heads / tp score matrices of seq_len / cp x seq_len), and whether
-    the softmax fell back to torch."""
+    """All of a block's engine passes (extra_pass_bytes, plus softmax_fallback_bytes and score_bias_bytes when
+    its scores are materialised: config.microbatch x heads / tp score matrices of seq_len / cp x seq_len),
+    and whether the softmax fell back to torch."""
     extra = extra_pass_bytes(shape, tokens, config.tp, config.sp, dtype_bytes, engine)
     if shape is None or not scores_materialised:
         return extra, False
-    fallback = softmax_fallback_bytes(shape, config.microbatch * shape.a / config.tp, seq_len / config.cp,
-                                      seq_len, dtype_bytes, engine)
-    return dataclasses.replace(extra, fwd=extra.fwd + fallback.fwd, bwd=extra.bwd + fallback.bwd,
-                               attention_fwd=extra.attention_fwd + fallback.attention_fwd), fallback.fwd > 0
+    batch_heads, s_q = config.microbatch * shape.a / config.tp, seq_len / config.cp
+    fallback = softmax_fallback_bytes(shape, batch_heads, s_q, seq_len, dtype_bytes, engine)
+    bias = score_bias_bytes(batch_heads, s_q, seq_len, dtype_bytes, engine)
+    return dataclasses.replace(extra, fwd=extra.fwd + fallback.fwd + bias, bwd=extra.bwd + fallback.bwd,
+                               attention_fwd=extra.attention_fwd + fallback.attention_fwd + bias), fallback.fwd > 0
 

@@ -141,3 +141,29 @@ def reduce_stream_floor_s(fwd: Any, hop_bwd: Any, reduce: Any, m: Any, chunks: A
     start = fwd.sum(axis=-1, keepdims=True) + after / np.asarray(chunks, dtype=float)[..., None]
     floor = (start + np.asarray(m, dtype=float)[..., None] * reduce).max(axis=-1)
     return np.where(reduce.max(axis=-1) > 0, floor, 0.0)
+
+
+def nic_shared_reduce_s(reduce: Any, compute: Any, nic_in: Any, nic_out: Any) -> tuple[Any, Any]:
+    """What an asynchronous reduction stream (Engine.grad_reduce_async) costs beyond dataparallel.async_reduce_s
+    when it crosses nodes on the NIC that the compute stream's own exposed transfers also use (one NIC per
+    GPU: DGX H100, profiles/dgx-h100-80gb.yaml): (exposed seconds per microbatch added, stream seconds per
+    microbatch added). Per microbatch: `reduce` the stream's reductions, `compute` the layers' time the stream
+    runs beside (async_reduce_s's C), `nic_in` the part of that time the compute stream spends on the same NIC
+    (the CP exchange across nodes), `nic_out` its NIC transfers outside the layers (pipeline hops across
+    nodes). Numbers or numpy arrays.
+
+    Concurrent transfers on one link share it: two NCCL operations over one link at once each get about half
+    of it, together what one gets alone (NVIDIA/nccl issue 1094, nccl-tests on 4 A100s: a 256 MB all-reduce
+    takes 1.8 ms alone and 4.2 ms beside a second one; issue 204: two broadcasts between two GPUs, 12 GB/s
+    alone, 6 + 6 at once). A compute-stream transfer X = nic_in + nic_out that meets the stream takes
+    twice as long while they overlap, and the stream loses as much; it meets it for the stream's busy share
+    u = min(1, reduce / (compute + nic_out)) of the slot. So the slot is max(compute + nic_out + u X,
+    reduce + X): the NIC carries both (reduce + X, whatever the overlap) and the layers wait u X for it; the
+    stream's work for pipeline.reduce_stream_floor_s grows by u X. No NIC traffic beside it: nothing added."""
+    reduce, compute, nic_in, nic_out = (np.asarray(a, dtype=float) for a in (reduce, compute, nic_in, nic_out))
+    nic = nic_in + nic_out
+    slot = compute + nic_out
+    busy = np.minimum(1.0, reduce / np.where(slot > 0, slot, 1.0))
+    before = np.maximum(reduce - compute, 0.0)
+    after = np.maximum(np.maximum(reduce + nic_in - compute, busy * nic), 0.0)
+    return after - before, busy * nic

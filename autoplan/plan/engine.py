@@ -20,6 +20,9 @@ SELECTIVE_KINDS = ("attention", "op")
 ZERO3_KINDS = ("fsdp2", "deepspeed")
 GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
 RMSNORM_KINDS = ("eager", "eager_fp32", "fused")
+# what an engine overlaps with the compute it issues from the same host thread (none under launch_blocking)
+OVERLAP_FIELDS = ("tp_comm_overlap", "tp_bwd_overlap", "dp_comm_overlap", "param_gather_overlap", "cp_comm_overlap",
+                  "grad_reduce_async")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -63,6 +66,9 @@ class Engine:
     attention_grad_scale: bool = False  # baddbmm(alpha) backward scales the dQ and dK products in passes of their own
     rmsnorm: str = "eager"  # a Llama-style block's RMSNorms without fused_elementwise: 'eager' (composite ops in the training dtype), 'eager_fp32' (upcast to fp32 first), 'fused' (one kernel each way)
     reduce_scatter_copy_in: bool = True  # FSDP2 copies the unsharded gradients into the reduce-scatter input (reduce dtype) before the compute stream goes on
+    fsdp_root_unit: bool = False  # FSDP2's outer fully_shard holds the non-block layers (embedding, final norm, head) as one group: gathered before the rank's first layer, reduced after its last backward (cost/fsdpunits.py; autoplan's executor does this too, not yet priced for it: the quick estimate's equal layers do not mirror it)
+    fsdp_root_reshards: bool = True  # ... and that group is freed after the forward and gathered again when the backward starts
+    fsdp_last_block_reshards: bool = True  # the last block before the head is freed after its forward and gathered again for its backward
     dp_grad_passes: int = 0  # read + write passes over the local gradients (reduce dtype) that a once-per-step all-reduce not overlapped with the backward makes on the compute stream (flatten, divide, copy back)
     dp_overlap_grad_passes: int = 0  # ... the same when the all-reduce overlaps the backward (dp_comm_overlap: bucket copy-in, copy back)
     grad_buffer_passes: bool = False  # a contiguous gradient buffer zeroed every step and scaled by 1 / dp before its once-per-step collective, on the compute stream (Megatron-Core: cost/dataparallel.py grad_buffer_passes_s)
@@ -84,6 +90,7 @@ class Engine:
     attention_saves_repeated_kv: bool = True  # grouped-query K / V are repeated to the query heads before the attention kernel, which keeps them
     cp_saves_gathered_kv: bool = True  # context parallelism keeps the all-gathered K / V for the attention backward (not re-exchanged)
     cp_comm_overlap: bool = False  # the CP K / V exchange runs beside the attention core (ring P2P); False: all-gathered before it, exposed
+    cp_separate_kv_collectives: bool = True  # the exposed CP exchange (cp_comm_overlap False) all-gathers K and V, and reduce-scatters dK and dV, in a collective of its own each (two per exchange, two latencies), not one collective of the concatenated pair
     rmsnorm_saves_normalized: bool = True  # an eager RMSNorm keeps x * rstd for its weight's gradient beside its input x
     swiglu_saves_activation: bool = True  # an eager SwiGLU (silu(gate) * up) keeps silu(gate) beside gate and up
     # DeepSpeed ZeRO-3 (zero3='deepspeed'); ignored with fsdp2
@@ -99,6 +106,18 @@ class Engine:
     zero3_regather_persistent: bool = False  # the step ends by re-gathering the persistent parameters rank by rank
     zero3_trace_aligned: bool = True  # the recorded sub-module trace lines up with the step counter: prefetch and keep-for-later work
     zero3_serial_grad_checks: bool = False  # the step checks overflow and sums the gradient norm one parameter at a time, reading each result on the host
+    zero3_small_grad_hooks: bool = False  # the small (persistent) parameters' gradient hooks fill and flush the reduce buckets in autograd's order
+    # CUDA_LAUNCH_BLOCKING=1 (CUDA C Programming Guide, "Asynchronous Concurrent Execution": "Programmers can
+    # globally disable asynchronicity of kernel launches for all CUDA applications running on a system by setting
+    # the CUDA_LAUNCH_BLOCKING environment variable to 1"): every launch returns when its kernel has run, so the
+    # host's time per op adds to the device's instead of hiding under it (cost/layer.py), and nothing the host
+    # issues overlaps: every *_overlap field and grad_reduce_async must be false (checked below)
+    launch_blocking: bool = False
+    score_bias_input: bool = False  # the materialised attention scores start from a bias broadcast over them (ALiBi as baddbmm's input, beta != 0): a write and a read of the scores more per forward (cost/passes.py)
+    # DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, from v0.6.2): what the engine does for a
+    # plan trained in bf16 only (gated in one place, Engine.bf16_optimizer_runs; fp16 / fp32 plans never see it)
+    bf16_optimizer_grads: bool = False  # under bf16, every microbatch's backward starts with the bf16 .grads None (clear_lp_grads) and ends by casting each into the fp32 gradient (update_hp_grads): fresh gradients every microbatch and a cast + add pass per parameter (cost/layer.py hp_grad_update_s)
+    zero1_all_reduce: bool = False  # under bf16, ZeRO-1 reduces the full gradients with an all-reduce (each rank then updates its shard and all-gathers the weights), not a reduce-scatter: BF16_Optimizer's own sharding under DeepSpeed's pipeline engine (plan.layout.zero_layout)
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:
@@ -110,12 +129,43 @@ class Engine:
                 raise ValueError(f"engine field {name!r} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"engine field 'attention_dropout' must be a probability in [0, 1), got {self.attention_dropout!r}")
+        self._check_launch_blocking()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"engine field {f.name!r} must be true or false, got {value!r}")
             if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"engine field {f.name!r} must be a non-negative integer, got {value!r}")
+
+    def _check_launch_blocking(self) -> None:
+        """Under launch_blocking a collective's launch returns only when it has run, so nothing issued from the
+        host thread runs beside it: an overlap field left true would price an overlap that cannot happen."""
+        if not self.launch_blocking:
+            return
+        on = [name for name in OVERLAP_FIELDS if getattr(self, name)]
+        if on:
+            raise ValueError(f"engine field 'launch_blocking' is true (every kernel launch synchronous: no overlap), "
+                             f"so {', '.join(map(repr, on))} must be false")
+
+    def bf16_optimizer_runs(self, dtype: str) -> bool:
+        """Whether DeepSpeed's BF16_Optimizer runs a plan trained in `dtype`: the one gate of bf16_optimizer_grads
+        and zero1_all_reduce (hp_grads, zero1_all_reduces), read by the exact model (cost/layer.py,
+        cost/estimate.py), its ZeRO layout (plan.layout.zero_layout) and the quick estimate (search/assemble.py).
+        DeepSpeed builds it only for a bf16 model: v0.6.2-v0.7.x engine.py _configure_optimizer `elif
+        self.bfloat16_enabled(): self.optimizer = self._configure_bf16_optimizer(...)` (after ZeRO, amp and fp16);
+        v0.8.0 on, _do_optimizer_sanity_check returns BFLOAT16 for `model_dtype == torch.bfloat16 and
+        grad_accum_dtype == torch.float32`. An fp16 model gets FP16_Optimizer, fp32 none. Which ZeRO stages
+        build it is the engine's (the fields are set only where every bf16 run the engine can run has it: see
+        engines/megatron-deepspeed.yaml)."""
+        return dtype == "bf16"
+
+    def hp_grads(self, dtype: str) -> bool:
+        """bf16_optimizer_grads for a plan trained in `dtype` (bf16_optimizer_runs)."""
+        return self.bf16_optimizer_grads and self.bf16_optimizer_runs(dtype)
+
+    def zero1_all_reduces(self, dtype: str) -> bool:
+        """zero1_all_reduce for a plan trained in `dtype` (bf16_optimizer_runs)."""
+        return self.zero1_all_reduce and self.bf16_optimizer_runs(dtype)
 
     @staticmethod
     def load(name_or_path: str | os.PathLike[str]) -> Engine:

@@ -132,7 +132,7 @@ class ZeroLayout:
 
 
 def zero_layout(config: ParallelConfig, num_microbatches: int, *, zero3: str = "fsdp2",
-                pipelined_fsdp_defers_sync: bool = True) -> ZeroLayout:
+                pipelined_fsdp_defers_sync: bool = True, zero1_all_reduce: bool = False) -> ZeroLayout:
     """The ZeRO layout of `config` (Rajbhandari et al., ZeRO, SC'20) as the engine runs it.
 
     - zero 0: replicated weights, gradients all-reduced once per step (DDP / FSDP2 replicate with
@@ -152,7 +152,11 @@ def zero_layout(config: ParallelConfig, num_microbatches: int, *, zero3: str = "
     microbatch (PipelineStage.backward_maybe_with_nosync: set_requires_gradient_sync(False),
     set_reshard_after_backward(False) until the last backward): `pipelined_fsdp_defers_sync` (the
     autoplan executor) then accumulates unsharded gradients and keeps the stage's weights gathered for the
-    step, whatever the ZeRO stage; only the optimizer states stay sharded."""
+    step, whatever the ZeRO stage; only the optimizer states stay sharded.
+    `zero1_all_reduce` (Engine.zero1_all_reduce): zero 1 all-reduces the full gradients instead (DeepSpeed's
+    pipeline engine under bf16: deepspeed/runtime/pipe/engine.py _exec_reduce_grads -> _bf16_reduce_grads ->
+    buffered_allreduce_fallback of the BF16_Optimizer's fp32 gradients; its step updates the local shard and
+    all-gathers the weights, bf16_optimizer.py all_gather_dp_groups)."""
     z = config.zero
     if z not in (0, 1, 2, 3):
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {z!r}")
@@ -166,8 +170,9 @@ def zero_layout(config: ParallelConfig, num_microbatches: int, *, zero3: str = "
     if z == 1 or deferred:
         # deferred ZeRO-3 still reshards after each forward (reshard_after_forward=True) and re-gathers
         # for that microbatch's backward; the first forward's gather is the per-step one
+        reduction = "all_reduce" if zero1_all_reduce and z == 1 else "reduce_scatter"
         return ZeroLayout(zero=z, shards_optimizer=True, shards_gradients=False, shards_weights=False,
-                          grad_reduction="reduce_scatter", reduce_every_microbatch=False,
+                          grad_reduction=reduction, reduce_every_microbatch=False,
                           weight_gathers_per_microbatch=1 if z == 3 else 0, weight_gathers_per_step=1)
     if z == 2:
         return ZeroLayout(zero=z, shards_optimizer=True, shards_gradients=True, shards_weights=False,

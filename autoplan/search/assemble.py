@@ -29,7 +29,7 @@ from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.chunks import chunk_terms
 from autoplan.search.exposed import exposed, uniform_exposed
-from autoplan.search.pipeline_terms import pipeline_hops, tied_reduce, tied_tail
+from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import (
     MESH_COLS,
     Mesh,
@@ -47,12 +47,12 @@ _LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "red
                   "weight_gathers_per_microbatch", "weight_gathers_per_step")
 
 
-def layouts(c: dict[str, np.ndarray], engine: Engine) -> dict[str, np.ndarray]:
-    """zero_layout's fields per candidate (computed once per distinct (zero, pp, dp, ep, cp)), plus whether
-    gradients are reduce-scattered."""
+def layouts(c: dict[str, np.ndarray], engine: Engine, dtype: str) -> dict[str, np.ndarray]:
+    """zero_layout's fields per candidate (computed once per distinct (zero, pp, dp, ep, cp)) for a `dtype` plan
+    (Engine.zero1_all_reduces), plus whether gradients are reduce-scattered."""
     keys = np.stack([c["zero"], c["pp"], c["dp"], c["ep"], c["cp"]], axis=1)
     _, first, inverse = np.unique(int_codes(*keys.T), return_index=True, return_inverse=True)
-    rows = [_layout_row(z, pp, dp, ep, cp, engine.zero3, engine.pipelined_fsdp_defers_sync)
+    rows = [_layout_row(z, pp, dp, ep, cp, engine.zero3, engine.pipelined_fsdp_defers_sync, engine.zero1_all_reduces(dtype))
             for z, pp, dp, ep, cp in keys[first].tolist()]
     table = np.array(rows)[inverse.reshape(-1)]
     out = {f: table[:, i] for i, f in enumerate(_LAYOUT_FIELDS)}
@@ -61,10 +61,11 @@ def layouts(c: dict[str, np.ndarray], engine: Engine) -> dict[str, np.ndarray]:
 
 
 @lru_cache(maxsize=65536)
-def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defers: bool) -> tuple[float, ...]:
+def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defers: bool,
+                all_reduce: bool = False) -> tuple[float, ...]:
     """zero_layout's fields (and whether gradients are reduce-scattered) as floats, once per distinct input."""
     lay = zero_layout(ParallelConfig(zero=zero, pp=pp, dp=dp, ep=ep, cp=cp), 1, zero3=zero3,
-                      pipelined_fsdp_defers_sync=defers)
+                      pipelined_fsdp_defers_sync=defers, zero1_all_reduce=all_reduce)
     return tuple(float(getattr(lay, f)) for f in _LAYOUT_FIELDS) + (float(lay.grad_reduction == "reduce_scatter"),)
 
 
@@ -136,10 +137,11 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     """assemble's terms that do not depend on the schedule (search/schedules.py), per row of `c` (whose
     schedule column is not read: rows equal but for it give the same terms); arguments as assemble's, `m`
     each row's microbatches per step (needed with Engine.grad_freed_after_reduce)."""
-    lay = layouts(c, engine)
-    if engine.grad_freed_after_reduce and "fresh" in f:  # as cost.estimate.with_fresh_grads
+    lay = layouts(c, engine, cluster.dtype)
+    if (engine.grad_freed_after_reduce or engine.hp_grads(cluster.dtype)) and "fresh" in f:  # as estimate.with_fresh_grads
         assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
-        cut = f["fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine)
+        cut = f["fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine,
+                                          cluster.dtype)
         f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
     sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
@@ -195,13 +197,17 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
     asyn = every & (gmb == 0) & engine.grad_reduce_async & engine.dp_comm_overlap
     per_mb = np.maximum(reduce - f["time"], 0.0) + frac * np.minimum(reduce, f["time"])
+    shared, stream = (nic_shared(reduce, f, extra, c, cluster, sizes, engine, pp) if np.any(asyn)
+                      else (0.0, 0.0))  # cost.pipeline.nic_shared_reduce_s
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
-    dp_b = np.where(asyn, per_mb + copy_in, dp_b)
+    dp_b = np.where(asyn, per_mb + shared + copy_in, dp_b)
     # cost.pipeline.reduce_stream_floor_s's per-rank terms (layers' forward, backward, its weight part, the
     # asynchronous reductions), where any candidate reduces asynchronously
-    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce, 0.0)) if np.any(asyn) else None)
+    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce + stream, 0.0)) if np.any(asyn) else None)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
-    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac)
+    flushed = np.asarray(extra.get("ds_fetch_wait_share", 0.0), dtype=float).reshape(-1, 1)
+    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac,
+                            flushed)
     x = f["time"] + hops + dp_f + dp_b
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
@@ -259,12 +265,13 @@ def _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine) -> np.
     return out
 
 
-def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac):
+def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac, flushed=0.0):
     """DeepSpeed stage 3 (cost/deepspeed.py) for equal layers: each layer's parameters gathered in forward,
     again for a full recompute, again in backward, the buckets reduced as they fill; the host launches of
     the copy-out delay the compute. With prefetch (param_gather_overlap and zero3_trace_aligned) one sub-
     module ahead; without, each gather is waited for and each bucket's reduction hides behind the next
-    backward sub-module's compute (_deepspeed_serial)."""
+    backward sub-module's compute (_deepspeed_serial), but for the share `flushed` that a small gradient's hook
+    flushes just before a fetch (cost.zero3_grads.fetch_wait_share), reduced beside nothing."""
     if not mask.any():
         return dp_f, dp_b
     dense = f["dense_params"] + f["expert_params"]
@@ -281,11 +288,12 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
     full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
     share = np.where(full, 0.25, 1.0 / 3.0)  # forward : recompute : backward host = 1 : 1 : 2 (block_modules)
-    host_f = f["host"] * share if engine.zero3_sync_per_module else 0.0 * one
-    host_b = f["host"] - host_f if engine.zero3_sync_per_module else 0.0 * one
+    host_f = f["host"] * share if ds.sync_adds_host(engine) else 0.0 * one
+    host_b = f["host"] - host_f if ds.sync_adds_host(engine) else 0.0 * one
     if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
         exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
-                                                 np.maximum(after, one + blocked), red, buckets, modules, gathers)
+                                                 np.maximum(after, one + blocked), red, buckets, modules, gathers,
+                                                 flushed)
         exp_f, exp_b = exp_f + host_f, exp_b + host_b
         return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + frac * hidden, dp_b)
     comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
@@ -296,15 +304,16 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + pen, dp_b)
 
 
-def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers):
+def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers, share=0.0):
     """(forward, backward exposed, hidden) seconds of stage 3 without prefetch, for equal sub-modules: every
     gather waited for (the views built before it, the copy-out launches while it runs), each bucket's
-    reduction beside the next backward sub-module's compute (its share of `bwd`), the last after it."""
+    reduction beside the next backward sub-module's compute (its share of `bwd`), but for `share` of them
+    (flushed before a fetch: exposed), the last after it."""
     gather = before + np.maximum(one, after)  # after: the launches (those past the stream's queue follow the gather)
     per_red = red / buckets
     beside = bwd / (modules * (gathers - 1.0))
-    hidden = (buckets - 1.0) * np.minimum(per_red, beside)
-    exposed_red = (buckets - 1.0) * np.maximum(per_red - beside, 0.0) + per_red
+    hidden = (1.0 - share) * (buckets - 1.0) * np.minimum(per_red, beside)
+    exposed_red = (buckets - 1.0) * ((1.0 - share) * np.maximum(per_red - beside, 0.0) + share * per_red) + per_red
     return gather * modules, gather * modules * (gathers - 1.0) + exposed_red, hidden
 
 

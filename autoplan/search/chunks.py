@@ -25,7 +25,7 @@ def chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, w, cluster, engine, m
     if engine.grad_sync_per_chunk and engine.dp_comm_overlap and pp > 1:
         def bucketed(n: np.ndarray, bucket: float | None = None) -> np.ndarray:
             return _bucketed_reduce(None, n, layers, sizes, lay, wire, cluster, engine, bucket)
-        chunked = chunk_sync_tail(*chunk_inputs(extra, rs_or_ar, bucketed, lay, m, engine), frac, pp)
+        chunked = chunk_sync_tail(*chunk_inputs(extra, rs_or_ar, bucketed, lay, m, engine, cluster.dtype), frac, pp)
     if engine.param_gather_per_chunk and engine.param_gather_overlap and v > 1:
         gathered = chunk_gather_s(extra, lambda d, e, n: n * (
             collective_s("ag", sizes, ("dp", "ep", "cp"), d / n * w, cluster)
@@ -53,16 +53,16 @@ def chunk_sync_tail(chunk_reduce: np.ndarray, chunk_bwd: np.ndarray, frac: Any, 
 
 
 def chunk_inputs(extra: dict[str, np.ndarray], rank_total: np.ndarray, bucketed: Any, lay: dict[str, np.ndarray],
-                m: np.ndarray | None, engine: Engine) -> tuple[np.ndarray, np.ndarray]:
+                m: np.ndarray | None, engine: Engine, dtype: str) -> tuple[np.ndarray, np.ndarray]:
     """(reduction, backward) of each rank's chunks [n, v, p] for chunk_sync_tail: the first chunk's
     chunk_grads in the engine's buckets (`bucketed(grads)`; without buckets the rank's per-layer collectives
     `rank_total` [n, p] shared by the chunks' gradients), every later one's as one collective
     (`bucketed(grads, np.inf)`: cost.chunksync, Megatron-Core's disable_bucketing), chunk_bwd less what
-    grad_freed_after_reduce takes off (cost.estimate with_fresh_grads, as assemble_shared's time)."""
+    grad_freed_after_reduce / hp_grads take off (cost.estimate with_fresh_grads, as assemble_shared's time)."""
     grads, bwd = extra["chunk_dense"] + extra["chunk_expert"], extra["chunk_bwd"]
-    if engine.grad_freed_after_reduce:
+    if engine.grad_freed_after_reduce or engine.hp_grads(dtype):
         bwd = bwd - extra["chunk_fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None, None] > 0,
-                                                            m[:, None, None], engine)
+                                                            m[:, None, None], engine, dtype)
     total = grads.sum(axis=1)
     first = (bucketed(grads[:, 0]) if engine.dp_bucket_numel  # the rank's per-layer collectives, shared
              else rank_total * grads[:, 0] / np.where(total > 0, total, 1.0))

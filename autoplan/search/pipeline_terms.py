@@ -25,6 +25,7 @@ from autoplan.cost.p2p import (
     partition_meta_bytes,
     partitioned_role_s,
 )
+from autoplan.cost.pipeline import nic_shared_reduce_s
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Schedule
 from autoplan.search.pricing import Mesh, config_of, per_mesh, price_rows
@@ -78,9 +79,7 @@ def pipeline_hops(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: Clus
         return 0.0, 0.0
     out_bytes = np.asarray(extra["out_bytes"], dtype=float)
     part = engine.pp_partitioned_tensors & (c["tp"] > 1) & (c["sp"] == 0)
-    p2p = collective_p2p(out_bytes, sizes, cluster)
-    if engine.pp_partitioned_tensors:
-        p2p = p2p + np.where(part, collective_p2p(partition_meta_bytes(c["tp"]).astype(float), sizes, cluster), 0.0)
+    p2p = _cut_p2p(out_bytes, c, sizes, cluster, engine)
     hops = extra["hops"] * (p2p + _recv_gather(out_bytes, c, cluster, sizes, engine))[:, None]
     steady = extra["hops"] * p2p[:, None] if not engine.pp_p2p_batched else 0.0
     if p2p_overlapped(engine, Schedule.INTERLEAVED, v):
@@ -105,6 +104,43 @@ def _overlapped_steady(extra: dict[str, Any], c: dict[str, np.ndarray], cluster:
     rows = (c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED))[:, None]
     saved = extra["hops"] * overlapped_p2p_saving_s(p2p, frac)[:, None]
     return np.where(rows, -saved, steady)
+
+
+def _cut_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], sizes: Mesh, cluster: ClusterSpec,
+             engine: Engine) -> np.ndarray:
+    """A cut's transfers per candidate: the activation's p2p and, with DeepSpeed's PartitionedTensor, its meta
+    tensor's (cost.p2p.add_hop's `hop`)."""
+    p2p = collective_p2p(out_bytes, sizes, cluster)
+    if engine.pp_partitioned_tensors:
+        part = engine.pp_partitioned_tensors & (c["tp"] > 1) & (c["sp"] == 0)
+        p2p = p2p + np.where(part, collective_p2p(partition_meta_bytes(c["tp"]).astype(float), sizes, cluster), 0.0)
+    return p2p
+
+
+def nic_hops(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh, engine: Engine,
+             pp: int) -> Any:
+    """Each rank's per-microbatch pipeline p2p that crosses nodes [n, p] (cost.p2p.add_hop's Rank.pp_nic): the
+    hops' transfers (with DeepSpeed's PartitionedTensor its meta tensor too) where the pp group crosses nodes."""
+    if pp == 1:
+        return 0.0
+    p2p = _cut_p2p(np.asarray(extra["out_bytes"], dtype=float), c, sizes, cluster, engine)
+    crosses = per_mesh(sizes, lambda config: float(comm.group_placement(
+        config, ("pp",), cluster.devices_per_node).crosses_nodes), "pp-crosses-nodes")
+    return extra["hops"] * (p2p * crosses)[:, None]
+
+
+def nic_shared(reduce: np.ndarray, f: dict[str, np.ndarray], extra: dict[str, np.ndarray], c: dict[str, np.ndarray],
+                cluster: ClusterSpec, sizes: Mesh, engine: Engine, pp: int) -> tuple[np.ndarray, np.ndarray]:
+    """cost.dataparallel._nic_shared (pipeline.nic_shared_reduce_s) per [candidate, rank]: where the dense data-parallel group crosses nodes,
+    the CP exchange (where the cp group crosses them too) and the pipeline hops across nodes share its NIC."""
+    def crosses(axes: tuple[str, ...]) -> np.ndarray:
+        return per_mesh(sizes, lambda config: float(comm.group_placement(
+            config, axes, cluster.devices_per_node).crosses_nodes), (axes, "crosses-nodes"))[:, None]
+
+    dp = crosses(("dp", "ep", "cp"))
+    nic_in = f["cp"] * crosses(("cp",)) * dp
+    nic_out = nic_hops(extra, c, cluster, sizes, engine, pp) * dp
+    return nic_shared_reduce_s(reduce, f["time"], nic_in, nic_out)
 
 
 def tied_reduce(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh, wire: float,

@@ -29,9 +29,9 @@ from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
 
 # per-layer fields gathered from LayerCost, in this order
 FIELDS = ("time", "fwd", "bwd_weight", "act", "params", "dense_params", "expert_params", "out_bytes", "work", "host",
-          "fresh")
+          "fresh", "cp")
 # the fields summed per pipeline rank (search/assemble.py reads these sums; of params and work the maxima)
-SUMMED = ("time", "fwd", "bwd_weight", "act", "dense_params", "expert_params", "host", "fresh")
+SUMMED = ("time", "fwd", "bwd_weight", "act", "dense_params", "expert_params", "host", "fresh", "cp")
 _KEY_COLS = ("tp", "cp", "ep", "sp", "microbatch", "recompute", "etp", "eep")
 # what a key column a layer does not read is set to (recompute 0: Recompute.NONE; etp, eep 0: as tp, ep)
 _CANONICAL = {"ep": 1, "recompute": 0, "etp": 0, "eep": 0}
@@ -136,7 +136,7 @@ def key_config(**fields: Any) -> ParallelConfig:
 def _fields(c: Any) -> tuple[float, ...]:
     return (c.time_s, c.fwd_s + getattr(c, "fwd_comm_s", 0.0), c.bwd_weight_s, c.act_mem_bytes, c.param_count,
             c.grad_param_count, c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0),
-            getattr(c, "host_s", 0.0), getattr(c, "fresh_grad_saving_s", 0.0))
+            getattr(c, "host_s", 0.0), getattr(c, "fresh_grad_saving_s", 0.0), c.cp_comm_s)
 
 
 def _placement(sizes: tuple[int, ...], wanted: tuple[str, ...], devices_per_node: int, cost: Any) -> Any:
@@ -177,7 +177,7 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                               chunks=engine.grad_sync_per_chunk or engine.param_gather_per_chunk)
         order = np.argsort(inverse.reshape(-1), kind="stable")  # the rows of each key together
         per_step = (_deepspeed_step_terms(graph, cluster, c, idx, cost, engine)
-                    if engine.zero3 == "deepspeed" and (engine.zero3_regather_persistent
+                    if engine.zero3 == "deepspeed" and (engine.zero3_regather_persistent or engine.zero3_small_grad_hooks
                                                         or engine.zero3_serial_grad_checks) else None)
         for part in _chunks(inverse.reshape(-1)[order], max(CHUNK // pp, 64)):
             rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
@@ -318,12 +318,15 @@ def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, 
     from one block (cost.dataparallel.layer_numels, layer_small_numels): with zero3_serial_grad_checks
     cost.deepspeed.serial_grad_checks over its parameter tensors, with zero3_regather_persistent
     cost.deepspeed.persistent_regather over its small parameters (its list gather's
-    regather_list_ops once per step). Each distinct (tp, data-parallel size) priced once."""
+    regather_list_ops once per step); with zero3_small_grad_hooks the share of the gradient elements whose
+    bucket is flushed just before a fetch (ds_fetch_wait_share: cost.zero3_grads.fetch_wait_share). Each
+    distinct (tp, data-parallel size) priced once."""
     from autoplan.cost import deepspeed as ds
     from autoplan.cost.dataparallel import layer_numels, layer_small_numels
+    from autoplan.cost.zero3_grads import fetch_wait_share
 
     block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
-    out = {k: np.zeros(len(idx)) for k in ("ds_fixed_ops", "ds_layer_ops", "ds_layer_elements")}
+    out = {k: np.zeros(len(idx)) for k in ("ds_fixed_ops", "ds_layer_ops", "ds_layer_elements", "ds_fetch_wait_share")}
     if block is None:
         return out
     tp, n = c["tp"][idx], (c["dp"] * c["ep"] * c["cp"])[idx]
@@ -331,6 +334,9 @@ def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, 
         config, rows = ParallelConfig(tp=t), (tp == t) & (n == size)
         layer_cost = cost.estimate_layer(block, cluster, config, "none", seq_len=graph.seq_len)
         small = layer_small_numels(block, layer_cost, graph, config)
+        if engine.zero3_small_grad_hooks:
+            out["ds_fetch_wait_share"][rows] = fetch_wait_share(layer_numels(block, layer_cost, graph, config), small,
+                                                                engine.zero3_reduce_bucket_numel)
         if engine.zero3_serial_grad_checks and size > 1:
             tensors = sum(1 for k in (*layer_numels(block, layer_cost, graph, config), *small) if k > 0)
             out["ds_layer_ops"][rows] += ds.GRAD_CHECK_OPS_PER_PARAM * tensors

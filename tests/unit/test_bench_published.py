@@ -10,7 +10,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from graphs import gpt_graph
-from published import measured_step_s, megatron_core_flops, megatron_flops, padded_vocab, records
+from published import (
+    embeddings_weighted_stages,
+    measured_step_s,
+    megatron_core_flops,
+    megatron_flops,
+    padded_vocab,
+    records,
+)
 
 
 def _by_gemm(*, B: int, s: int, l: int, h: int, V: int, a: int, g: int, f: int, gated: bool) -> float:
@@ -89,3 +96,44 @@ def test_megascale_table2_columns_agree_through_the_flop_count():
         assert rec["global_batch"] * 2048 / m["iteration_time_s"] == pytest.approx(m["throughput_tokens_per_s"],
                                                                                    rel=5e-3), rec["id"]
         assert rec["config"]["dp"] * 64 == rec["cluster"]["gpus"]
+
+
+def test_bloom_logged_tflops_are_the_sc21_count_over_the_elapsed_time():
+    """BigScience's logs print TFLOPs next to the elapsed time per iteration: the SC'21 count with full
+    recompute (96 B s l h^2 (1 + s / 6h + V / 16lh), V = 250880) over time x 384 GPUs reproduces each to the
+    printed digits, so the records' iteration_time_s and their TFLOPs say the same thing."""
+    bloom = [r for r in records() if r["set"] == "bloom-176b"]
+    assert len(bloom) == 3
+    for rec in bloom:
+        m, model = rec["measured"], rec["model"]
+        flops = megatron_flops(B=rec["global_batch"], s=model["seq_len"], l=model["layers"], h=model["hidden"],
+                               V=model["vocab"])
+        tflops = flops / (m["iteration_time_s"] * rec["cluster"]["gpus"]) / 1e12
+        assert tflops == pytest.approx(m["tflops_per_gpu_with_recompute"], abs=0.006), rec["id"]
+
+
+def test_embeddings_weighted_stages_give_the_embedding_and_head_a_block_each():
+    """70 blocks + 2 embeddings over 12 stages (BLOOM): 6 weighted layers per stage, the embedding in the
+    first with 5 blocks, the head in the last with 5; a count that does not divide is refused."""
+    stages = embeddings_weighted_stages(gpt_graph(h=64, a=4, layers=70, seq=16, vocab=100), 12)
+    assert [len(st) for st in stages] == [6] * 12
+    assert stages[0][0] == "embed" and stages[-1][-1] == "head"
+    assert stages[0][1:] == tuple(f"layers.{i}" for i in range(5)) and stages[1][0] == "layers.5"
+    with pytest.raises(ValueError, match="do not split evenly"):
+        embeddings_weighted_stages(gpt_graph(h=64, a=4, layers=69, seq=16, vocab=100), 12)
+@pytest.mark.parametrize("rid", ["llama3-405b-8192-cp1", "llama3-405b-16384-cp1", "llama3-405b-16384-cp16"])
+def test_llama3_measured_step_is_palm_mfu_over_the_full_attention_square(rid):
+    """Dubey et al. 2024 Table 4 gives BF16 MFU after Chowdhery et al. (PaLM, appendix B): 6 N + 12 L H Q T
+    FLOPs per token, N the matmul parameters (126 blocks + the output head; the embedding lookup is no
+    matmul), attention over the whole T x T square, no causal halving. The record's step is those FLOPs
+    over MFU x 989 TFLOP/s x GPUs: at 128K the attention term is 57 % of them (a causal count would make
+    the measured step 29 % shorter)."""
+    from published import predict, records
+
+    rec = next(r for r in records() if r["id"] == rid)
+    h, f, layers, vocab, s = 16384, 53248, 126, 128256, rec["model"]["seq_len"]
+    qkv = h + 2 * h * 8 // 128  # GQA: 128 query heads, 8 kv heads
+    n = layers * (h * qkv + h * h + 3 * h * f) + vocab * h
+    per_token = 6.0 * n + 12.0 * layers * h * s
+    hand = per_token * rec["global_batch"] * s / (rec["measured"]["mfu"] * 989e12 * rec["cluster"]["gpus"])
+    assert predict(rec).measured_s == pytest.approx(hand, rel=1e-9)

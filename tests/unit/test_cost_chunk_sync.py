@@ -26,6 +26,7 @@ from autoplan.search.chunks import chunk_sync_tail
 CLUSTER = dataclasses.replace(a100_cluster(2), dtype="bf16")
 MCORE = dataclasses.replace(Engine.load("megatron-core"), grad_buffer_passes=False, dp_bucket_numel=10**12)
 OFF = dataclasses.replace(MCORE, grad_sync_per_chunk=False)
+BLOCK = gpt_graph(h=512, a=8, layers=2, seq=256, vocab=4096).blocks[0]  # a block: its own FSDP2 unit (fsdpunits)
 
 
 def test_windows_are_the_cool_downs_backward_slots_by_hand() -> None:
@@ -68,7 +69,7 @@ def _rank(index: int, chunk_bwd: list[float], chunk_params: list[int]) -> Rank:
         c = LayerCost(fwd_s=1e-3, bwd_s=b, bwd_weight_s=0.0, recompute_s=0.0, tp_comm_s=0.0, cp_comm_s=0.0,
                       ep_comm_s=0.0, act_mem_bytes=0, param_count=n, grad_param_count=n, expert_param_count=0,
                       output_bytes=0)
-        add_layers(rank, [c], [None])
+        add_layers(rank, [c], [BLOCK])
     return rank
 
 
@@ -105,7 +106,7 @@ def test_the_first_chunk_keeps_its_buckets_the_later_ones_reduce_in_one() -> Non
         layer = LayerCost(fwd_s=1e-3, bwd_s=1e-3, bwd_weight_s=0.0, recompute_s=0.0, tp_comm_s=0.0, cp_comm_s=0.0,
                           ep_comm_s=0.0, act_mem_bytes=0, param_count=50_000_000, grad_param_count=50_000_000,
                           expert_param_count=0, output_bytes=0)
-        add_layers(rank, [layer, layer], [None, None])
+        add_layers(rank, [layer, layer], [BLOCK, BLOCK])
     group = dp_groups(config, CLUSTER).dense
     r0, r1 = 2 * comm.reduce_scatter_s(50e6 * 4.0, group, CLUSTER), comm.reduce_scatter_s(100e6 * 4.0, group, CLUSTER)
     end = max(-4e-3 + r1, 0.0) + r0

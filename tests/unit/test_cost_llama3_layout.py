@@ -44,21 +44,25 @@ def test_explicit_stages_may_outnumber_the_blocks() -> None:
 
 # --- context parallelism: all-gather before the core, or a ring beside it ------------------------------
 
-@pytest.mark.parametrize("keeps", [True, False])
-def test_an_all_gather_cp_exchange_is_exposed_in_full(keeps: bool) -> None:
+@pytest.mark.parametrize(("keeps", "separate"), [(True, False), (False, False), (True, True), (False, True)])
+def test_an_all_gather_cp_exchange_is_exposed_in_full(keeps: bool, separate: bool) -> None:
     """cp 2, kv heads g: the K / V of the whole sequence for the tp rank's kv heads are 2 s h g / a
     elements. Without cp_comm_overlap (Llama 3: "the all-gather communication latency is exposed in the
     critical path") forward pays the all-gather, backward the reduce-scatter of dK / dV and, unless the
     gathered K / V were kept, a second all-gather; selective recompute re-gathers them once more when not
-    kept. The ring (cp_comm_overlap) hides them behind the attention core: never more."""
+    kept. With cp_separate_kv_collectives each exchange is two collectives of half the bytes (K, then V:
+    TE's AttnFuncWithCPAndKVAllGather, autoplan's ContextParallelCore). The ring (cp_comm_overlap) hides
+    them behind the attention core: never more."""
     h, a, g, s, cp = 1024, 16, 4, 8192, 2
     block = gpt_graph(h=h, a=a, kv=g, layers=1, seq=s, unfused=False).blocks[0]
     config = ParallelConfig(cp=cp, dp=4)
-    engine = dataclasses.replace(Engine(), cp_comm_overlap=False, cp_saves_gathered_kv=keeps)
+    engine = dataclasses.replace(Engine(), cp_comm_overlap=False, cp_saves_gathered_kv=keeps,
+                                 cp_separate_kv_collectives=separate)
     group = GroupPlacement(size=cp, num_nodes=1, per_node=cp)
     kv_bytes = 2.0 * s * h * g / a * 2
-    gather = comm.all_gather_s(kv_bytes, group, IDEAL)
-    scatter = comm.reduce_scatter_s(kv_bytes, group, IDEAL)
+    pieces = 2 if separate else 1
+    gather = pieces * comm.all_gather_s(kv_bytes / pieces, group, IDEAL)
+    scatter = pieces * comm.reduce_scatter_s(kv_bytes / pieces, group, IDEAL)
     hand = gather + scatter + (0.0 if keeps else gather)
     exposed = estimate_layer(block, IDEAL, config, "none", seq_len=s, engine=engine)
     assert math.isclose(exposed.cp_comm_s, hand, rel_tol=1e-9)
@@ -72,6 +76,27 @@ def test_an_all_gather_cp_exchange_is_exposed_in_full(keeps: bool) -> None:
 
 def test_megatron_core_rings_and_autoplan_all_gathers() -> None:
     assert Engine.load("megatron-core").cp_comm_overlap and not Engine.load("autoplan").cp_comm_overlap
+
+
+def test_separate_kv_collectives_pay_one_more_latency_each_exchange() -> None:
+    """On a real link (latency > 0) two all-gathers of S / 2 cost one collective's latency more than one of
+    S: by hand, on the test cluster's one-protocol (alpha-beta) link, (n - 1) ring steps at its latency; the
+    bandwidth term is the same. An exposed exchange without kept K / V and no recompute runs 3 of them."""
+    cluster = a100_cluster()
+    h, a, g, s, cp = 1024, 16, 4, 8192, 2
+    block = gpt_graph(h=h, a=a, kv=g, layers=1, seq=s, unfused=False).blocks[0]
+    config = ParallelConfig(cp=cp, dp=4)
+    base = dataclasses.replace(Engine(), cp_comm_overlap=False, cp_saves_gathered_kv=False)
+    one = estimate_layer(block, cluster, config, "none", seq_len=s,
+                         engine=dataclasses.replace(base, cp_separate_kv_collectives=False)).cp_comm_s
+    two = estimate_layer(block, cluster, config, "none", seq_len=s, engine=base).cp_comm_s
+    group = comm.group_placement(config, ("cp",), cluster.devices_per_node)
+    kv_bytes = 2.0 * s * h * g / a * 2
+    extra = 2 * comm.all_gather_s(kv_bytes / 2, group, cluster) - comm.all_gather_s(kv_bytes, group, cluster)
+    link = cluster.intra_node
+    assert extra > 0.0
+    assert two - one == pytest.approx(3 * extra, rel=1e-9)
+    assert extra == pytest.approx((cp - 1) * link.latency_s, rel=1e-9)
 
 
 # --- ZeRO-2: sharded gradients, plus the buffers of the layer being reduced ------------------------------

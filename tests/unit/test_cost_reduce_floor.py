@@ -48,7 +48,10 @@ def _setup(nic_bw: float):
 def _by_hand(graph, cluster, config, engine, m: int) -> tuple[float, float]:
     """(the bound, rank 0's reductions per microbatch): stage i on rank i % pp (Megatron's looped placement)
     with the default split's layers; microbatch 0's forward through every layer, the way back to rank r
-    (a chunk, 1 / virtual_stages of a rank's backward, per later rank), m x rank r's fp32 reduce-scatters."""
+    (a chunk, 1 / virtual_stages of a rank's backward, per later rank), m x rank r's fp32 reduce-scatters,
+    each microbatch's stream also giving way on the shared NIC to the rank's pipeline hops for its busy share
+    (cost.pipeline.nic_shared_reduce_s: one GPU per node, so every hop crosses nodes): u x hops, u =
+    min(1, reductions / (layers + hops)), a rank's hops its cuts (15 on the end ranks, 16 inside) x one p2p."""
     from autoplan.cost.hetero import default_split
 
     costs = {layer.name: estimate_layer(layer, cluster, config, "none", seq_len=graph.seq_len, engine=engine)
@@ -60,7 +63,13 @@ def _by_hand(graph, cluster, config, engine, m: int) -> tuple[float, float]:
     fwd = [sum(c.fwd_s + c.fwd_comm_s for c in r) for r in per_rank]
     bwd = [sum(c.time_s for c in r) - f for r, f in zip(per_rank, fwd)]
     red = [sum(comm.reduce_scatter_s(c.grad_param_count * 4.0, group, cluster) for c in r) for r in per_rank]
-    ends = [sum(fwd) + sum(bwd[k + 1:]) / config.virtual_stages + m * red[k] for k in range(config.pp)]
+    stages = config.pp * config.virtual_stages
+    cuts = [sum((i % config.pp == k) + ((i + 1) % config.pp == k) for i in range(stages - 1))
+            for k in range(config.pp)]
+    hops = [n * comm.p2p_s(graph.blocks[0].output_bytes, True, cluster) for n in cuts]
+    busy = [min(1.0, red[k] / (fwd[k] + bwd[k] + hops[k])) for k in range(config.pp)]
+    ends = [sum(fwd) + sum(bwd[k + 1:]) / config.virtual_stages + m * (red[k] + busy[k] * hops[k])
+            for k in range(config.pp)]
     return max(ends), red[0]
 
 
