@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from autoplan.cluster.types import ClusterSpec
-from autoplan.cost import comm
+from autoplan.cost import chunksync, comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.compute import block_shape
 from autoplan.cost.experts import expert_dp_placement
@@ -89,6 +89,8 @@ class Rank:
     pp_nic: float = 0.0  # per microbatch: its pipeline hops that cross nodes, on the NIC (pipeline.nic_shared_reduce_s)
     costs: list[LayerCost] = field(default_factory=list)
     layers: list[Layer] = field(default_factory=list)
+    chunks: list[int] = field(default_factory=list)  # layers per model chunk, in model order (add_layers)
+    index: int = 0  # the pipeline rank
 
     @property
     def slot(self) -> float:
@@ -102,6 +104,7 @@ class Rank:
 
 def add_layers(rank: Rank, costs: Sequence[LayerCost], layers: Sequence[Layer]) -> None:
     """Add one chunk's layers to its rank: compute, tp / cp / ep communication, memory, parameters."""
+    rank.chunks.append(len(costs))
     for c, layer in zip(costs, layers):
         fwd = c.fwd_s + c.fwd_comm_s
         rank.fwd += fwd
@@ -203,6 +206,10 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
                       lambda n: reduce_fn(n * wire, groups.expert, cluster))
         return [a + b for a, b in zip(d, e)]
 
+    def whole(span: range, fn: Callable[[float, GroupPlacement, ClusterSpec], float], nbytes: float) -> float:
+        return fn(sum(dense[i] for i in span) * nbytes, groups.dense, cluster) + fn(  # one collective of a chunk
+            sum(expert[i] for i in span) * nbytes, groups.expert, cluster)
+
     order, back = list(range(len(fwd))), list(reversed(range(len(fwd))))
     none = [0.0] * len(fwd)
     frac = dp_fraction(*(_group_s(numels, group, w, wire, reduce_fn, cluster) if any(expert) else 0.0
@@ -238,14 +245,27 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     if not layout.reduce_every_microbatch:
         rank.dp_tail += (copy_in + ddp_grad_passes_s(sum(dense) + sum(expert), cluster, layout, engine)
                          + grad_buffer_passes_s(sum(dense) + sum(expert), cluster, config, layout, engine))
-        if engine.dp_comm_overlap:
+        if engine.dp_comm_overlap and engine.grad_sync_per_chunk and chunksync.applies(
+                config.pp, config.virtual_stages, rank.index):
+            spans = chunksync.chunk_spans(rank.chunks)
+            exposed, hidden = chunksync.rank_chunk_tail_s([sum(bwd[i] for i in s) for s in spans], [
+                sum(reduces(spans[0][::-1])), *(whole(s, reduce_fn, wire) for s in spans[1:])], config.pp, rank.index)
+            rank.dp_tail += exposed + hidden_penalty_s(hidden, cluster, frac)
+        elif engine.dp_comm_overlap:
             rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster, frac)
         else:
             rank.dp_tail += (reduce_fn(sum(dense) * wire, groups.dense, cluster)
                              + reduce_fn(sum(expert) * wire, groups.expert, cluster))
     if layout.weight_gathers_per_step:
         rank.param_gather += copy_out
-        if engine.param_gather_overlap:
+        if (engine.param_gather_overlap and engine.param_gather_per_chunk and len(rank.chunks) > 1
+                and not layout.shards_gradients):  # the distributed optimizer (ZeRO-1)
+            first, *later = chunksync.chunk_spans(rank.chunks)
+            shown, hidden = chunksync.later_gathers_s([sum(fwd[i] for i in s) for s in (first, *later)],
+                                                      [whole(s, comm.all_gather_s, w) for s in later], config.pp)
+            rank.param_gather += (_overlap([fwd[i] for i in first], gathers(first, gather_f), [0.0] * len(first), True, True,
+                                           cluster, frac) + shown + hidden_penalty_s(hidden, cluster, frac))
+        elif engine.param_gather_overlap:
             rank.param_gather += _overlap(fwd, gathers(order, gather_f), none, True, True, cluster, frac)
         else:
             rank.param_gather += (comm.all_gather_s(sum(dense) * w, groups.dense, cluster)

@@ -116,7 +116,7 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
                                   groups=dp_groups(config, view),
                                   pp_cross=comm.group_placement(config, ("pp",), view.devices_per_node).crosses_nodes)
     env_of = [envs[id(view)] for view in views]
-    ranks = [Rank() for _ in range(p)]
+    ranks = [Rank(index=k) for k in range(p)]
     by_name = {layer.name: layer for layer in graph.layers}
     for i, names in enumerate(stages):
         add_layers(ranks[placement[i]], [env_of[placement[i]].costs[n] for n in names], [by_name[n] for n in names])

@@ -27,6 +27,7 @@ from autoplan.cost.overlap import contention_fraction
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.search.chunks import chunk_terms
 from autoplan.search.exposed import exposed, uniform_exposed
 from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import (
@@ -210,9 +211,11 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     x = f["time"] + hops + dp_f + dp_b
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
-    once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
-                       dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
-                       int(extra.get("last_rank", pp - 1))), _optimizer(f, c, lay, cluster, engine)]
+    chunked, step_gather = chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, w, cluster, engine, m, frac, pp, v)
+    once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense,
+                       expert, wire, w, cluster, copy_in + ddp, async_tail, tied, int(extra.get("last_rank", pp - 1)),
+                       chunked, step_gather),
+            _optimizer(f, c, lay, cluster, engine)]
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
     states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
@@ -235,12 +238,14 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
     return np.where(expert_s > 0, mixed, fd + 0.0 * total), fd
 
 
-def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine) -> np.ndarray:
-    """Reduction time of a rank's gradients: per layer, or in the engine's buckets (dp_bucket_numel)."""
-    if not engine.dp_bucket_numel:
+def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine, bucket=None) -> np.ndarray:
+    """Reduction time of a rank's gradients: per layer, or in the engine's buckets (dp_bucket_numel, or
+    `bucket` elements: np.inf for one collective of them all)."""
+    bucket = engine.dp_bucket_numel if bucket is None else bucket
+    if not bucket:
         return per_layer_total
-    buckets = _bucket_count(params, layers, engine.dp_bucket_numel)
-    one = np.minimum(params / buckets, engine.dp_bucket_numel) * wire
+    buckets = _bucket_count(params, layers, bucket)
+    one = np.minimum(params / buckets, bucket) * wire
     rs = collective_s("rs", sizes, ("dp", "ep", "cp"), one, cluster)
     ar = collective_s("ar", sizes, ("dp", "ep", "cp"), one, cluster)
     return np.where(lay["reduce_scatter"][:, None] > 0, rs, ar) * buckets
@@ -313,15 +318,18 @@ def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers, s
 
 
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire,
-               w, cluster, copy_in, async_tail, tied, last_rank) -> np.ndarray:
+               w, cluster, copy_in, async_tail, tied, last_rank, chunked=None, gathered=None) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
     sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
     cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (tied_tail),
-    and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
+    and weight all-gather (ZeRO-1/2; overlapped with the next forward); `chunked`: (ranks, tail) of
+    search.chunks.chunk_sync_tail where the engine launches the reduction per chunk; `gathered`: (rows, exposed
+    all-gather) of search.chunks.chunk_gather_s where the engine gathers chunk by chunk."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
         tail = exposed(bwd_all, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
+        tail = tail if chunked is None else np.where(chunked[0], chunked[1], tail)
     else:
         d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
         a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
@@ -341,8 +349,9 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     if len(rows):
         def pick(a: Any) -> Any:
             return a[rows] if np.ndim(a) == 2 and len(a) == len(dp_tail) else a
-        slowest[rows] = (exposed(pick(fwd), pick(gather), None, layers, True, True, pick(frac))
-                         + pick(copy_out)).max(axis=1)
+        shown = exposed(pick(fwd), pick(gather), None, layers, True, True, pick(frac))
+        shown = shown if gathered is None else np.where(pick(gathered[0]), pick(gathered[1]), shown)
+        slowest[rows] = (shown + pick(copy_out)).max(axis=1)
     return dp_tail + slowest
 
 

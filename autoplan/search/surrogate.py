@@ -173,7 +173,8 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
     for idx in _pipeline_shapes(c["pp"], c["virtual_stages"], v_shape):
         pp, v = int(c["pp"][idx[0]]), int(c["virtual_stages"][idx[0]])
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
-        shape = _shape_tables(graph, space.config(int(idx[0])), table, cum, keys, cost)
+        shape = _shape_tables(graph, space.config(int(idx[0])), table, cum, keys, cost,
+                              chunks=engine.grad_sync_per_chunk or engine.param_gather_per_chunk)
         order = np.argsort(inverse.reshape(-1), kind="stable")  # the rows of each key together
         per_step = (_deepspeed_step_terms(graph, cluster, c, idx, cost, engine)
                     if engine.zero3 == "deepspeed" and (engine.zero3_regather_persistent or engine.zero3_small_grad_hooks
@@ -182,7 +183,9 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
             rows, key = idx[order[part]], inverse.reshape(-1)[order[part]]
             cols = {k: col[rows] for k, col in c.items()}
             first, of = _unique_but_schedule(cols)  # the rows to assemble: one of each equal but for the schedule
-            extra = {"hops": np.broadcast_to(shape["hops"], (len(first), pp)),
+            chunked = {k: shape[k] if k == "chunk_layers" else shape[k][key[first]]
+                       for k in shape if k.startswith("chunk_")}
+            extra = {**chunked, "hops": np.broadcast_to(shape["hops"], (len(first), pp)),
                      "out_bytes": shape["out_bytes"][key[first]], "act_sends": shape["act_sends"],
                      "act_recvs": shape["act_recvs"], "tied": graph.tied_embedding_params,
                      "last_rank": shape["last_rank"], "max_numel": max_numel[rows[first]],
@@ -227,11 +230,13 @@ def _chunks(sorted_keys: np.ndarray, rows: int) -> list[slice]:
 
 
 def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, cum: np.ndarray, keys: np.ndarray,
-                  cost: Any) -> dict[str, np.ndarray]:
+                  cost: Any, *, chunks: bool = False) -> dict[str, np.ndarray]:
     """For one pipeline shape (the config's pp, virtual stages and schedule: the schedule decides the placement,
     plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the SUMMED fields [keys, p, F]
     (from `cum`, their cumulative sums over the layers), the per-rank maxima of params and work [keys, p],
-    layers per rank, p2p hops and what a pipeline cut sends."""
+    layers per rank, p2p hops and what a pipeline cut sends; with `chunks` (Engine.grad_sync_per_chunk,
+    param_gather_per_chunk) each rank's chunks' backward, forward, dense and expert parameters and
+    fresh-gradient saving [keys, v, p] and layers [v, p] (cost.chunksync)."""
     pp, v = config.pp, config.virtual_stages
     names = {layer.name: i for i, layer in enumerate(graph.layers)}
     stages = cost.balanced_stages(graph, config)
@@ -246,6 +251,14 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
            "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
            "last_rank": ranks[-1], **_cut_sides(ranks, pp)}
     out["max_params"], out["work"] = _rank_maxima(graph, table, keys, bounds, ranks, pp)
+    if not chunks:
+        return out
+    # each rank's chunks [v, p] (rank r's c-th stage) for cost.chunksync: their backward and gradients
+    chunk_of = np.array([[i for i, r in enumerate(ranks) if r == k] for k in range(pp)]).T
+    time, fwd, dense, expert, fresh = (per_stage[:, :, SUMMED.index(n)][:, chunk_of]  # [keys, v, p]
+                                       for n in ("time", "fwd", "dense_params", "expert_params", "fresh"))
+    out.update(chunk_bwd=time - fwd, chunk_fwd=fwd, chunk_dense=dense, chunk_expert=expert, chunk_fresh=fresh,
+               chunk_layers=np.diff(bounds)[chunk_of].astype(float))
     return out
 
 
