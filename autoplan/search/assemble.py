@@ -39,6 +39,7 @@ from autoplan.search.pricing import (
     price_classes,
     price_rows,
 )
+from autoplan.search.rootunit import quick_root, root_seconds
 from autoplan.search.schedules import Shared, by_schedule, shared_pipeline
 from autoplan.search.space import RECOMPUTES
 
@@ -148,25 +149,36 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
     hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp, v)
+    # FSDP2's root group (search/rootunit.py): the rank's own collectives over its blocks, the root's whole
+    root = quick_root(extra, dense, layers, v, engine)
+    units_l, own = (layers, dense) if root is None else (root.units, root.dense)
 
     # a rank's layers' collectives: per class of the mesh when its candidates share their parameters (a class
     # of quick_estimate's is a layer-table key), spread to the candidates, else per candidate
-    by_class = (dense[sizes.reps], expert[sizes.reps]) if sizes.uniform(dense, expert) else None
+    by_class = (own[sizes.reps], expert[sizes.reps]) if sizes.uniform(own, expert) else None
 
     def per_layer(kind: str, elem_bytes: float) -> tuple[np.ndarray, np.ndarray]:
         if by_class is None:
-            return tuple(collective_s(kind, sizes, axes, params / layers * elem_bytes, cluster) * layers
-                         for axes, params in ((dense_axes, dense), (expert_axes, expert)))
-        return tuple((collective_s(kind, sizes, axes, params / layers * elem_bytes, cluster, per_class=True)
-                      * layers)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
+            return tuple(collective_s(kind, sizes, axes, params / units_l * elem_bytes, cluster) * units_l
+                         for axes, params in ((dense_axes, own), (expert_axes, expert)))
+        return tuple((collective_s(kind, sizes, axes, params / units_l * elem_bytes, cluster, per_class=True)
+                      * units_l)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
 
     (gather_d, gather_e), scatter = per_layer("ag", w), lay["reduce_scatter"][:, None] > 0
     (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", wire), per_layer("ar", wire)
     red_d, red_e = np.where(scatter, rs_d, ar_d), np.where(scatter, rs_e, ar_e)
     gather, rs_or_ar = gather_d + gather_e, red_d + red_e
-    frac, dense_frac = dp_fractions(sizes, cluster, gather_d + red_d, gather_e + red_e)
-    reduce = _bucketed_reduce(rs_or_ar, dense + expert, layers, sizes, lay, wire, cluster, engine)
+    first = None if root is None else root_seconds(  # the root's (forward gather, backward gather, reduction)
+        root, lambda n: collective_s("ag", sizes, dense_axes, n * w, cluster),
+        lambda n: np.where(scatter, *(collective_s(k, sizes, dense_axes, n * wire, cluster) for k in ("rs", "ar"))))
+    dense_s = gather_d + red_d if first is None else gather_d + red_d + first[0] + first[2]
+    frac, dense_frac = dp_fractions(sizes, cluster, dense_s, gather_e + red_e)
+    reduce = _bucketed_reduce(rs_or_ar, own + expert, units_l, sizes, lay, wire, cluster, engine)
+    last = None if first is None else first[2]  # the root's reduction, after the rank's last backward
+    reduce_all = reduce if last is None else reduce + last
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
+    copy_out_b = (copy_out if root is None or not engine.gather_copy_out
+                  else memory_time_s(cluster.device, 2.0 * w * root.bwd_gathered(expert)))
     # gradpasses.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
     copy_in = np.where(lay["reduce_scatter"][:, None] > 0 if engine.reduce_scatter_copy_in else False,
                        memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
@@ -179,34 +191,37 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
                              memory_time_s(cluster.device, per * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
-    z3_fwd = np.where(gmb >= 2, exposed(fwd, gather, None, layers, engine.param_gather_overlap, True, frac)
-                      + copy_out, 0.0)
+    z3_fwd = np.where(gmb >= 2, exposed(fwd, gather, None, units_l, engine.param_gather_overlap, True, frac)
+                      + copy_out + (0.0 if first is None else first[0]), 0.0)
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
     # reductions alone run one collective per filled bucket (at most one per layer, dataparallel._bucketed),
     # each hidden by the backward after it: the closed form over that many equal units; with per-layer
     # gathers beside them, over the layers
-    units = np.minimum(_bucket_count(dense + expert, layers, engine.dp_bucket_numel), layers)
-    dp_b = exposed(bwd, pre_b, post_b, np.where(gmb >= 1, layers, units), engine.param_gather_overlap,
+    units = np.minimum(_bucket_count(own + expert, units_l, engine.dp_bucket_numel), units_l)
+    dp_b = exposed(bwd, pre_b, post_b, np.where(gmb >= 1, units_l, units), engine.param_gather_overlap,
                     engine.dp_comm_overlap, frac)
+    if root is not None:  # the kept block's gather (the one the closed form exposes), the root's collectives
+        dp_b = (dp_b - root.kept * pre_b / units_l + np.where(gmb >= 1, first[1], 0.0)
+                + np.where(every, first[2], 0.0))
     dp_b = np.where((gmb >= 1) | every,
-                    dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
+                    dp_b + np.where(gmb >= 1, copy_out_b, 0.0) + np.where(every, copy_in, 0.0), 0.0)
     # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
     asyn = every & (gmb == 0) & engine.grad_reduce_async & engine.dp_comm_overlap
-    per_mb = np.maximum(reduce - f["time"], 0.0) + frac * np.minimum(reduce, f["time"])
+    per_mb = np.maximum(reduce_all - f["time"], 0.0) + frac * np.minimum(reduce_all, f["time"])
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
     dp_b = np.where(asyn, per_mb + copy_in, dp_b)
     # cost.pipeline.reduce_stream_floor_s's per-rank terms (layers' forward, backward, its weight part, the
     # asynchronous reductions), where any candidate reduces asynchronously
-    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce, 0.0)) if np.any(asyn) else None)
+    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce_all, 0.0)) if np.any(asyn) else None)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac)
     x = f["time"] + hops + dp_f + dp_b
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
-    once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes,
+    once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, units_l, units, lay, engine, frac, sizes,
                        dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
-                       int(extra.get("last_rank", pp - 1))), _optimizer(f, c, lay, cluster, engine)]
+                       int(extra.get("last_rank", pp - 1)), first), _optimizer(f, c, lay, cluster, engine)]
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
     states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
@@ -304,15 +319,18 @@ def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers):
 
 
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire,
-               w, cluster, copy_in, async_tail, tied, last_rank) -> np.ndarray:
+               w, cluster, copy_in, async_tail, tied, last_rank, root=None) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
     sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
     cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (tied_tail),
-    and weight all-gather (ZeRO-1/2; overlapped with the next forward)."""
+    and weight all-gather (ZeRO-1/2; overlapped with the next forward); `root` the FSDP2 root group's
+    (forward gather, backward gather, reduction) seconds, or None (search/rootunit.py: each before or after
+    every layer of the rank, so exposed whole)."""
     once = lay["reduce_every_microbatch"][:, None] == 0
     if engine.dp_comm_overlap:
         tail = exposed(bwd_all, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
+        tail = tail if root is None else tail + root[2]
     else:
         d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
         a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
@@ -333,7 +351,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
         def pick(a: Any) -> Any:
             return a[rows] if np.ndim(a) == 2 and len(a) == len(dp_tail) else a
         slowest[rows] = (exposed(pick(fwd), pick(gather), None, layers, True, True, pick(frac))
-                         + pick(copy_out)).max(axis=1)
+                         + pick(copy_out) + (0.0 if root is None else pick(root[0]))).max(axis=1)
     return dp_tail + slowest
 
 
@@ -368,21 +386,3 @@ def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
     nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster), "nccl-buffers")
     return states + working, cluster.device.runtime_reserve_bytes + nccl
 
-
-def max_param_numel(graph: Any, tp: np.ndarray) -> np.ndarray:
-    """The largest single weight matrix a device holds (cost.dataparallel.layer_numels' rule: a block's
-    QKV, projection or MLP matmul after tp; any other layer is one parameter, vocab-parallel over tp)."""
-    from autoplan.cost.compute import block_shape
-    from autoplan.graph.types import LayerRole
-
-    out = np.zeros(len(tp))
-    for t in np.unique(tp).tolist():
-        best = 0.0
-        for layer in graph.layers:
-            shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-            if shape is not None and layer.role is LayerRole.BLOCK:
-                best = max(best, shape.h * max(shape.qkv_out_width, shape.h, shape.f) / t)
-            else:
-                best = max(best, layer.num_params / (t if layer.role in (LayerRole.EMBEDDING, LayerRole.HEAD) else 1))
-        out[tp == t] = best
-    return out
