@@ -4,7 +4,9 @@ model's own functions: the ZeRO layout (plan.layout.zero_layout), bytes per para
 on the actual message sizes), SM contention, FSDP2's copy-out, Adam's traffic, NCCL's buffers, ZeRO-3's
 working set and the in-flight microbatches. Memory is the exact model's sum term by term; time replaces
 the two-stream simulation of identical layers by its closed form (overlap.overlapped_s with L equal layers
-of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) max(c, g + q) + q).
+of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) max(c, g + q) + q), the L
+units being a rank's blocks where FSDP2's root group holds its other layers (cost.fsdpunits.root_terms,
+whose collectives come whole: search/rootunit.py).
 """
 
 from __future__ import annotations
