@@ -154,6 +154,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     # FSDP2's root group (search/rootunit.py): the rank's own collectives over its blocks, the root's whole
     root = quick_root(extra, dense, layers, v, engine)
     units_l, own = (layers, dense) if root is None else (root.units, root.dense)
+    fwd_u, bwd_u = (fwd, bwd) if root is None else (fwd - root.fwd, bwd - root.bwd)  # the units' compute
 
     # a rank's layers' collectives: per class of the mesh when its candidates share their parameters (a class
     # of quick_estimate's is a layer-table key), spread to the candidates, else per candidate
@@ -178,6 +179,8 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     reduce = _bucketed_reduce(rs_or_ar, own + expert, units_l, sizes, lay, wire, cluster, engine)
     last = None if first is None else first[2]  # the root's reduction, after the rank's last backward
     reduce_all = reduce if last is None else reduce + last
+    # what of the first block's forward gather the root group's layers before it (the embedding) hide
+    lead = 0.0 if root is None else root.first_hidden(gather, root.lead_fwd, frac, engine.param_gather_overlap)
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
     copy_out_b = (copy_out if root is None or not engine.gather_copy_out
                   else memory_time_s(cluster.device, 2.0 * w * root.bwd_gathered(expert)))
@@ -193,18 +196,20 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
                              memory_time_s(cluster.device, per * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
-    z3_fwd = np.where(gmb >= 2, exposed(fwd, gather, None, units_l, engine.param_gather_overlap, True, frac)
-                      + copy_out + (0.0 if first is None else first[0]), 0.0)
+    z3_fwd = np.where(gmb >= 2, exposed(fwd_u, gather, None, units_l, engine.param_gather_overlap, True, frac)
+                      + copy_out + (0.0 if first is None else first[0] - lead), 0.0)
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
     # reductions alone run one collective per filled bucket (at most one per layer, dataparallel._bucketed),
     # each hidden by the backward after it: the closed form over that many equal units; with per-layer
     # gathers beside them, over the layers
     units = np.minimum(_bucket_count(own + expert, units_l, engine.dp_bucket_numel), units_l)
-    dp_b = exposed(bwd, pre_b, post_b, np.where(gmb >= 1, units_l, units), engine.param_gather_overlap,
+    dp_b = exposed(bwd_u, pre_b, post_b, np.where(gmb >= 1, units_l, units), engine.param_gather_overlap,
                     engine.dp_comm_overlap, frac)
-    if root is not None:  # the kept block's gather (the one the closed form exposes), the root's collectives
-        dp_b = (dp_b - root.kept * pre_b / units_l + np.where(gmb >= 1, first[1], 0.0)
+    if root is not None:  # the kept block's gather (the one the closed form exposes) or the head's backward
+        # hiding it, the root's collectives
+        tail = root.first_hidden(pre_b, root.tail_bwd, frac, engine.param_gather_overlap)
+        dp_b = (dp_b - root.kept * pre_b / units_l - (1.0 - root.kept) * tail + np.where(gmb >= 1, first[1], 0.0)
                 + np.where(every, first[2], 0.0))
     dp_b = np.where((gmb >= 1) | every,
                     dp_b + np.where(gmb >= 1, copy_out_b, 0.0) + np.where(every, copy_in, 0.0), 0.0)
@@ -223,7 +228,9 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
     once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, units_l, units, lay, engine, frac, sizes,
                        dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
-                       int(extra.get("last_rank", pp - 1)), first), _optimizer(f, c, lay, cluster, engine)]
+                       int(extra.get("last_rank", pp - 1)),
+                       None if root is None else (first, fwd_u, bwd_u + dp_b, lead)),
+            _optimizer(f, c, lay, cluster, engine)]
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
     states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
@@ -326,13 +333,15 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
     cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (tied_tail),
-    and weight all-gather (ZeRO-1/2; overlapped with the next forward); `root` the FSDP2 root group's
-    (forward gather, backward gather, reduction) seconds, or None (search/rootunit.py: each before or after
-    every layer of the rank, so exposed whole)."""
+    and weight all-gather (ZeRO-1/2; overlapped with the next forward); `root` None, or the FSDP2 root
+    group's (forward gather, backward gather, reduction) seconds (search/rootunit.py: each before or after
+    every layer of the rank, so exposed whole), the units' forward and backward compute the closed forms
+    see, and what of the first block's gather the layers before it hide."""
     once = lay["reduce_every_microbatch"][:, None] == 0
+    first, fwd_u, bwd_u, lead = (None, fwd, bwd_all, 0.0) if root is None else root
     if engine.dp_comm_overlap:
-        tail = exposed(bwd_all, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
-        tail = tail if root is None else tail + root[2]
+        tail = exposed(bwd_u, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
+        tail = tail if first is None else tail + first[2]
     else:
         d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
         a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
@@ -352,8 +361,8 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     if len(rows):
         def pick(a: Any) -> Any:
             return a[rows] if np.ndim(a) == 2 and len(a) == len(dp_tail) else a
-        slowest[rows] = (exposed(pick(fwd), pick(gather), None, layers, True, True, pick(frac))
-                         + pick(copy_out) + (0.0 if root is None else pick(root[0]))).max(axis=1)
+        slowest[rows] = (exposed(pick(fwd_u), pick(gather), None, layers, True, True, pick(frac)) + pick(copy_out)
+                         + (0.0 if first is None else pick(first[0]) - pick(lead))).max(axis=1)
     return dp_tail + slowest
 
 

@@ -23,7 +23,7 @@ from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
 from autoplan.search.assemble import assemble_shared, microbatches
 from autoplan.search.layercache import layer_costs
 from autoplan.search.pricing import Pricing, int_codes
-from autoplan.search.rootunit import rank_roots
+from autoplan.search.rootunit import ROOT_PER_KEY, rank_roots
 from autoplan.search.schedules import by_schedule
 from autoplan.search.schedules import inflight as _inflight
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
@@ -188,8 +188,8 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                      "act_recvs": shape["act_recvs"], "tied": graph.tied_embedding_params,
                      "last_rank": shape["last_rank"], "max_numel": max_numel[rows[first]],
                      "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]],
-                     "root_params": shape["root_params"][key[first]], "root_layers": shape["root_layers"],
-                     "rank_blocks": shape["rank_blocks"], "head_and_block": shape["head_and_block"]}
+                     **{k: shape[k][key[first]] for k in ROOT_PER_KEY},
+                     **{k: shape[k] for k in ("root_layers", "rank_blocks", "head_and_block")}}
             if per_step is not None:
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
@@ -249,7 +249,8 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
            "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
            "last_rank": ranks[-1], **_cut_sides(ranks, pp)}
     out["max_params"], out["work"] = _rank_maxima(graph, table, keys, bounds, ranks, pp)
-    out.update(rank_roots(graph, table, keys, bounds, ranks, pp, FIELDS.index("dense_params")))
+    cols = {"dense": FIELDS.index("dense_params"), "fwd": FIELDS.index("fwd"), "time": FIELDS.index("time")}
+    out.update(rank_roots(graph, table, keys, bounds, ranks, pp, cols))
     return out
 
 
