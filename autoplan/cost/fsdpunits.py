@@ -33,6 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
@@ -49,28 +50,52 @@ class UnitNumels:
     reduce: tuple[float, ...]
 
 
+@dataclass(frozen=True, slots=True)
+class RootTerms:
+    """What the module docstring's rules do to one rank, in elements (floats, or numpy arrays of ranks
+    alike: the quick estimate's vectorised form, search/rootunit.py): `grouped` leave the non-block
+    layers' own slots and move as the root group, gathered before the rank's first layer (`fwd_first`),
+    again before its first backward (`bwd_first`), reduced after its last backward (`reduce_last`);
+    `kept_blocks` blocks (0 or 1: the last one before the head) skip their backward gather."""
+
+    grouped: Any
+    fwd_first: Any
+    bwd_first: Any
+    reduce_last: Any
+    kept_blocks: Any
+
+
+def root_terms(non_block: Any, head_and_block: Any, engine: Engine) -> RootTerms:
+    """The rank's root-group and last-block terms (RootTerms) from `non_block`, the dense elements of its
+    layers that no block holds, and `head_and_block`, 1 (True) where it holds the head and a block."""
+    root = non_block if engine.fsdp_root_unit else 0.0 * non_block
+    kept = 0.0 * head_and_block if engine.fsdp_last_block_reshards else 1.0 * head_and_block
+    return RootTerms(grouped=root, fwd_first=root, bwd_first=root if engine.fsdp_root_reshards else 0.0 * root,
+                     reduce_last=root, kept_blocks=kept)
+
+
 def unit_numels(layers: Sequence[Layer], counts: Sequence[float], engine: Engine) -> UnitNumels:
     """Per-slot elements of a rank's FSDP2 collectives for `layers` holding `counts` dense parameters
-    each (module docstring). Without a root unit (or without non-block layers) each slot moves its own."""
+    each (module docstring, root_terms). Without a root unit (or without non-block layers) each slot
+    moves its own."""
     n = len(counts)
     blocks = [layer.role is LayerRole.BLOCK for layer in layers]
     own = [float(x) for x in counts]
+    last = max((i for i in range(n) if blocks[i]), default=None)
+    head = any(layer.role is LayerRole.HEAD for layer in layers) and last is not None
+    terms = root_terms(sum(x for x, block in zip(own, blocks) if not block), float(head), engine)
     bwd = list(own)
-    if not engine.fsdp_last_block_reshards and any(layer.role is LayerRole.HEAD for layer in layers):
-        last = max((i for i in range(n) if blocks[i]), default=None)
-        if last is not None:
-            bwd[last] = 0.0
-    root = sum(x for x, block in zip(own, blocks) if not block)
+    if terms.kept_blocks:
+        bwd[last] = 0.0
     if not engine.fsdp_root_unit or n == 0 or all(blocks):
         return UnitNumels(fwd_gather=tuple(own), bwd_gather=tuple(bwd), reduce=tuple(own))
     fwd = [x if block else 0.0 for x, block in zip(own, blocks)]
     bwd = [x if block else 0.0 for x, block in zip(bwd, blocks)]
     reduce = list(fwd)
-    fwd[0] += root  # gathered by the root's pre-forward, before the rank's first layer
-    reduce[0] += root  # reduced by the final callback, after the rank's last backward (slot 0's)
-    if engine.fsdp_root_reshards:
-        bwd[-1] += root  # re-gathered by the root's pre-backward, before the first backward (slot n-1's)
+    fwd[0] += terms.fwd_first  # gathered by the root's pre-forward, before the rank's first layer
+    reduce[0] += terms.reduce_last  # reduced by the final callback, after the rank's last backward (slot 0's)
+    bwd[-1] += terms.bwd_first  # re-gathered by the root's pre-backward, before the first backward (slot n-1's)
     return UnitNumels(fwd_gather=tuple(fwd), bwd_gather=tuple(bwd), reduce=tuple(reduce))
 
 
-__all__ = ["UnitNumels", "unit_numels"]
+__all__ = ["RootTerms", "UnitNumels", "root_terms", "unit_numels"]

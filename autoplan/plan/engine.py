@@ -66,7 +66,7 @@ class Engine:
     attention_grad_scale: bool = False  # baddbmm(alpha) backward scales the dQ and dK products in passes of their own
     rmsnorm: str = "eager"  # a Llama-style block's RMSNorms without fused_elementwise: 'eager' (composite ops in the training dtype), 'eager_fp32' (upcast to fp32 first), 'fused' (one kernel each way)
     reduce_scatter_copy_in: bool = True  # FSDP2 copies the unsharded gradients into the reduce-scatter input (reduce dtype) before the compute stream goes on
-    fsdp_root_unit: bool = False  # FSDP2's outer fully_shard holds the non-block layers (embedding, final norm, head) as one group: gathered before the rank's first layer, reduced after its last backward (cost/fsdpunits.py; autoplan's executor does this too, not yet priced for it: the quick estimate's equal layers do not mirror it)
+    fsdp_root_unit: bool = True  # FSDP2's outer fully_shard holds the non-block layers (embedding, final norm, head) as one group: gathered before the rank's first layer, reduced after its last backward (cost/fsdpunits.py, search/rootunit.py; autoplan's executor: engines/autoplan.yaml)
     fsdp_root_reshards: bool = True  # ... and that group is freed after the forward and gathered again when the backward starts
     fsdp_last_block_reshards: bool = True  # the last block before the head is freed after its forward and gathered again for its backward
     dp_grad_passes: int = 0  # read + write passes over the local gradients (reduce dtype) that a once-per-step all-reduce not overlapped with the backward makes on the compute stream (flatten, divide, copy back)

@@ -4,7 +4,9 @@ model's own functions: the ZeRO layout (plan.layout.zero_layout), bytes per para
 on the actual message sizes), SM contention, FSDP2's copy-out, Adam's traffic, NCCL's buffers, ZeRO-3's
 working set and the in-flight microbatches. Memory is the exact model's sum term by term; time replaces
 the two-stream simulation of identical layers by its closed form (overlap.overlapped_s with L equal layers
-of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) max(c, g + q) + q).
+of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) max(c, g + q) + q), the L
+units being a rank's blocks where FSDP2's root group holds its other layers (cost.fsdpunits.root_terms,
+whose collectives come whole: search/rootunit.py).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from autoplan.search.pricing import (
     price_classes,
     price_rows,
 )
+from autoplan.search.rootunit import quick_root, root_seconds
 from autoplan.search.schedules import Shared, by_schedule, shared_pipeline
 from autoplan.search.space import RECOMPUTES
 
@@ -151,25 +154,39 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
     hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp, v)
+    # FSDP2's root group (search/rootunit.py): the rank's own collectives over its blocks, the root's whole
+    root = quick_root(extra, dense, layers, v, engine)
+    units_l, own = (layers, dense) if root is None else (root.units, root.dense)
+    fwd_u, bwd_u = (fwd, bwd) if root is None else (fwd - root.fwd, bwd - root.bwd)  # the units' compute
 
     # a rank's layers' collectives: per class of the mesh when its candidates share their parameters (a class
     # of quick_estimate's is a layer-table key), spread to the candidates, else per candidate
-    by_class = (dense[sizes.reps], expert[sizes.reps]) if sizes.uniform(dense, expert) else None
+    by_class = (own[sizes.reps], expert[sizes.reps]) if sizes.uniform(own, expert) else None
 
     def per_layer(kind: str, elem_bytes: float) -> tuple[np.ndarray, np.ndarray]:
         if by_class is None:
-            return tuple(collective_s(kind, sizes, axes, params / layers * elem_bytes, cluster) * layers
-                         for axes, params in ((dense_axes, dense), (expert_axes, expert)))
-        return tuple((collective_s(kind, sizes, axes, params / layers * elem_bytes, cluster, per_class=True)
-                      * layers)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
+            return tuple(collective_s(kind, sizes, axes, params / units_l * elem_bytes, cluster) * units_l
+                         for axes, params in ((dense_axes, own), (expert_axes, expert)))
+        return tuple((collective_s(kind, sizes, axes, params / units_l * elem_bytes, cluster, per_class=True)
+                      * units_l)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
 
     (gather_d, gather_e), scatter = per_layer("ag", w), lay["reduce_scatter"][:, None] > 0
     (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", wire), per_layer("ar", wire)
     red_d, red_e = np.where(scatter, rs_d, ar_d), np.where(scatter, rs_e, ar_e)
     gather, rs_or_ar = gather_d + gather_e, red_d + red_e
-    frac, dense_frac = dp_fractions(sizes, cluster, gather_d + red_d, gather_e + red_e)
-    reduce = _bucketed_reduce(rs_or_ar, dense + expert, layers, sizes, lay, wire, cluster, engine)
+    first = None if root is None else root_seconds(  # the root's (forward gather, backward gather, reduction)
+        root, lambda n: collective_s("ag", sizes, dense_axes, n * w, cluster),
+        lambda n: np.where(scatter, *(collective_s(k, sizes, dense_axes, n * wire, cluster) for k in ("rs", "ar"))))
+    dense_s = gather_d + red_d if first is None else gather_d + red_d + first[0] + first[2]
+    frac, dense_frac = dp_fractions(sizes, cluster, dense_s, gather_e + red_e)
+    reduce = _bucketed_reduce(rs_or_ar, own + expert, units_l, sizes, lay, wire, cluster, engine)
+    last = None if first is None else first[2]  # the root's reduction, after the rank's last backward
+    reduce_all = reduce if last is None else reduce + last
+    # what of the first block's forward gather the root group's layers before it (the embedding) hide
+    lead = 0.0 if root is None else root.first_hidden(gather, root.lead_fwd, frac, engine.param_gather_overlap)
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
+    copy_out_b = (copy_out if root is None or not engine.gather_copy_out
+                  else memory_time_s(cluster.device, 2.0 * w * root.bwd_gathered(expert)))
     # gradpasses.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
     copy_in = np.where(lay["reduce_scatter"][:, None] > 0 if engine.reduce_scatter_copy_in else False,
                        memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
@@ -182,28 +199,33 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
                              memory_time_s(cluster.device, per * (dense + expert)), 0.0)
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
-    z3_fwd = np.where(gmb >= 2, exposed(fwd, gather, None, layers, engine.param_gather_overlap, True, frac)
-                      + copy_out, 0.0)
+    z3_fwd = np.where(gmb >= 2, exposed(fwd_u, gather, None, units_l, engine.param_gather_overlap, True, frac)
+                      + copy_out + (0.0 if first is None else first[0] - lead), 0.0)
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
     # reductions alone run one collective per filled bucket (at most one per layer, dataparallel._bucketed),
     # each hidden by the backward after it: the closed form over that many equal units; with per-layer
     # gathers beside them, over the layers
-    units = np.minimum(_bucket_count(dense + expert, layers, engine.dp_bucket_numel), layers)
-    dp_b = exposed(bwd, pre_b, post_b, np.where(gmb >= 1, layers, units), engine.param_gather_overlap,
+    units = np.minimum(_bucket_count(own + expert, units_l, engine.dp_bucket_numel), units_l)
+    dp_b = exposed(bwd_u, pre_b, post_b, np.where(gmb >= 1, units_l, units), engine.param_gather_overlap,
                     engine.dp_comm_overlap, frac)
+    if root is not None:  # the kept block's gather (the one the closed form exposes) or the head's backward
+        # hiding it, the root's collectives
+        tail = root.first_hidden(pre_b, root.tail_bwd, frac, engine.param_gather_overlap)
+        dp_b = (dp_b - root.kept * pre_b / units_l - (1.0 - root.kept) * tail + np.where(gmb >= 1, first[1], 0.0)
+                + np.where(every, first[2], 0.0))
     dp_b = np.where((gmb >= 1) | every,
-                    dp_b + np.where(gmb >= 1, copy_out, 0.0) + np.where(every, copy_in, 0.0), 0.0)
+                    dp_b + np.where(gmb >= 1, copy_out_b, 0.0) + np.where(every, copy_in, 0.0), 0.0)
     # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
     asyn = every & (gmb == 0) & engine.grad_reduce_async & engine.dp_comm_overlap
-    per_mb = np.maximum(reduce - f["time"], 0.0) + frac * np.minimum(reduce, f["time"])
-    shared, stream = (nic_shared(reduce, f, extra, c, cluster, sizes, engine, pp) if np.any(asyn)
+    per_mb = np.maximum(reduce_all - f["time"], 0.0) + frac * np.minimum(reduce_all, f["time"])
+    shared, stream = (nic_shared(reduce_all, f, extra, c, cluster, sizes, engine, pp) if np.any(asyn)
                       else (0.0, 0.0))  # cost.pipeline.nic_shared_reduce_s
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
     dp_b = np.where(asyn, per_mb + shared + copy_in, dp_b)
     # cost.pipeline.reduce_stream_floor_s's per-rank terms (layers' forward, backward, its weight part, the
     # asynchronous reductions), where any candidate reduces asynchronously
-    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce + stream, 0.0)) if np.any(asyn) else None)
+    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce_all + stream, 0.0)) if np.any(asyn) else None)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
     flushed = np.asarray(extra.get("ds_fetch_wait_share", 0.0), dtype=float).reshape(-1, 1)
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac,
@@ -212,9 +234,10 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
     chunked, step_gather = chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, w, cluster, engine, m, frac, pp, v)
-    once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense,
-                       expert, wire, w, cluster, copy_in + ddp, async_tail, tied, int(extra.get("last_rank", pp - 1)),
-                       chunked, step_gather),
+    once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, units_l, units, lay, engine, frac, sizes,
+                       dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
+                       int(extra.get("last_rank", pp - 1)),
+                       None if root is None else (first, fwd_u, bwd_u + dp_b, lead), chunked, step_gather),
             _optimizer(f, c, lay, cluster, engine)]
     if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
@@ -318,17 +341,23 @@ def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers, s
 
 
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire,
-               w, cluster, copy_in, async_tail, tied, last_rank, chunked=None, gathered=None) -> np.ndarray:
+               w, cluster, copy_in, async_tail, tied, last_rank, root=None, chunked=None,
+               gathered=None) -> np.ndarray:
     """The once-per-step gradient reduction (overlapped with the last backward, rank r finishing
     sum_{k<r} B_k before rank 0), with its copy-in (FSDP2) or the DDP's own gradient passes (`copy_in`
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
     cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (tied_tail),
-    and weight all-gather (ZeRO-1/2; overlapped with the next forward); `chunked`: (ranks, tail) of
+    and weight all-gather (ZeRO-1/2; overlapped with the next forward); `root` None, or the FSDP2 root
+    group's (forward gather, backward gather, reduction) seconds (search/rootunit.py: each before or after
+    every layer of the rank, so exposed whole), the units' forward and backward compute the closed forms
+    see, and what of the first block's gather the layers before it hide; `chunked`: (ranks, tail) of
     search.chunks.chunk_sync_tail where the engine launches the reduction per chunk; `gathered`: (rows, exposed
     all-gather) of search.chunks.chunk_gather_s where the engine gathers chunk by chunk."""
     once = lay["reduce_every_microbatch"][:, None] == 0
+    first, fwd_u, bwd_u, lead = (None, fwd, bwd_all, 0.0) if root is None else root
     if engine.dp_comm_overlap:
-        tail = exposed(bwd_all, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
+        tail = exposed(bwd_u, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
+        tail = tail if first is None else tail + first[2]
         tail = tail if chunked is None else np.where(chunked[0], chunked[1], tail)
     else:
         d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
@@ -349,9 +378,9 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     if len(rows):
         def pick(a: Any) -> Any:
             return a[rows] if np.ndim(a) == 2 and len(a) == len(dp_tail) else a
-        shown = exposed(pick(fwd), pick(gather), None, layers, True, True, pick(frac))
+        shown = exposed(pick(fwd_u), pick(gather), None, layers, True, True, pick(frac))
         shown = shown if gathered is None else np.where(pick(gathered[0]), pick(gathered[1]), shown)
-        slowest[rows] = (shown + pick(copy_out)).max(axis=1)
+        slowest[rows] = (shown + pick(copy_out) + (0.0 if first is None else pick(first[0]) - pick(lead))).max(axis=1)
     return dp_tail + slowest
 
 
@@ -386,21 +415,3 @@ def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
     nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster), "nccl-buffers")
     return states + working, cluster.device.runtime_reserve_bytes + nccl
 
-
-def max_param_numel(graph: Any, tp: np.ndarray) -> np.ndarray:
-    """The largest single weight matrix a device holds (cost.dataparallel.layer_numels' rule: a block's
-    QKV, projection or MLP matmul after tp; any other layer is one parameter, vocab-parallel over tp)."""
-    from autoplan.cost.compute import block_shape
-    from autoplan.graph.types import LayerRole
-
-    out = np.zeros(len(tp))
-    for t in np.unique(tp).tolist():
-        best = 0.0
-        for layer in graph.layers:
-            shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-            if shape is not None and layer.role is LayerRole.BLOCK:
-                best = max(best, shape.h * max(shape.qkv_out_width, shape.h, shape.f) / t)
-            else:
-                best = max(best, layer.num_params / (t if layer.role in (LayerRole.EMBEDDING, LayerRole.HEAD) else 1))
-        out[tp == t] = best
-    return out

@@ -20,9 +20,10 @@ from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
-from autoplan.search.assemble import assemble_shared, max_param_numel, microbatches
+from autoplan.search.assemble import assemble_shared, microbatches
 from autoplan.search.layercache import layer_costs
 from autoplan.search.pricing import Pricing, int_codes
+from autoplan.search.rootunit import ROOT_PER_KEY, rank_roots
 from autoplan.search.schedules import by_schedule
 from autoplan.search.schedules import inflight as _inflight
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
@@ -189,7 +190,9 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                      "out_bytes": shape["out_bytes"][key[first]], "act_sends": shape["act_sends"],
                      "act_recvs": shape["act_recvs"], "tied": graph.tied_embedding_params,
                      "last_rank": shape["last_rank"], "max_numel": max_numel[rows[first]],
-                     "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]]}
+                     "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]],
+                     **{k: shape[k][key[first]] for k in ROOT_PER_KEY},
+                     **{k: shape[k] for k in ("root_layers", "rank_blocks", "head_and_block")}}
             if per_step is not None:
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
@@ -234,9 +237,9 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
     """For one pipeline shape (the config's pp, virtual stages and schedule: the schedule decides the placement,
     plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the SUMMED fields [keys, p, F]
     (from `cum`, their cumulative sums over the layers), the per-rank maxima of params and work [keys, p],
-    layers per rank, p2p hops and what a pipeline cut sends; with `chunks` (Engine.grad_sync_per_chunk,
-    param_gather_per_chunk) each rank's chunks' backward, forward, dense and expert parameters and
-    fresh-gradient saving [keys, v, p] and layers [v, p] (cost.chunksync)."""
+    layers per rank, p2p hops, what a pipeline cut sends and FSDP2's root groups (search/rootunit.rank_roots);
+    with `chunks` (Engine.grad_sync_per_chunk, param_gather_per_chunk) each rank's chunks' backward, forward,
+    dense and expert parameters and fresh-gradient saving [keys, v, p] and layers [v, p] (cost.chunksync)."""
     pp, v = config.pp, config.virtual_stages
     names = {layer.name: i for i, layer in enumerate(graph.layers)}
     stages = cost.balanced_stages(graph, config)
@@ -251,6 +254,8 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
            "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
            "last_rank": ranks[-1], **_cut_sides(ranks, pp)}
     out["max_params"], out["work"] = _rank_maxima(graph, table, keys, bounds, ranks, pp)
+    cols = {"dense": FIELDS.index("dense_params"), "fwd": FIELDS.index("fwd"), "time": FIELDS.index("time")}
+    out.update(rank_roots(graph, table, keys, bounds, ranks, pp, cols))
     if not chunks:
         return out
     # each rank's chunks [v, p] (rank r's c-th stage) for cost.chunksync: their backward and gradients
@@ -376,3 +381,21 @@ def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
     """Microbatches of activations held by each rank [n, p]: cost.pipeline.in_flight_microbatches in
     numpy (search.assemble.inflight)."""
     return _inflight(schedule, p, v, m)
+
+
+def max_param_numel(graph: Any, tp: np.ndarray) -> np.ndarray:
+    """The largest single weight matrix a device holds (cost.dataparallel.layer_numels' rule: a block's
+    QKV, projection or MLP matmul after tp; any other layer is one parameter, vocab-parallel over tp)."""
+    from autoplan.cost.compute import block_shape
+
+    out = np.zeros(len(tp))
+    for t in np.unique(tp).tolist():
+        best = 0.0
+        for layer in graph.layers:
+            shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
+            if shape is not None and layer.role is LayerRole.BLOCK:
+                best = max(best, shape.h * max(shape.qkv_out_width, shape.h, shape.f) / t)
+            else:
+                best = max(best, layer.num_params / (t if layer.role in (LayerRole.EMBEDDING, LayerRole.HEAD) else 1))
+        out[tp == t] = best
+    return out

@@ -13,6 +13,7 @@ from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
 
 from autoplan.cost import comm, estimate_config, estimate_layer
 from autoplan.cost.dataparallel import async_reduce_s, dp_groups
+from autoplan.graph.types import LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig
 
@@ -51,7 +52,8 @@ def _waited_backward(bwd: list[float], post: list[float]) -> float:
 def test_the_step_saves_all_but_the_last_microbatchs_wait(global_batch: int) -> None:
     """pp 1, dp 4 over the 25 GB/s NIC (one GPU per node), ZeRO-2, m = global_batch / 4 microbatches: with
     grad_reduce_async the step is shorter by (m - 1) x (the waiting backward's dp time - max(R - C, 0) -
-    F min(R, C)), R the layers' fp32 reduce-scatters and C the microbatch's compute; with m = 1 the same."""
+    F min(R, C)), R the blocks' and the root group's fp32 reduce-scatters and C the microbatch's compute;
+    with m = 1 the same."""
     graph = gpt_graph(h=1024, a=16, layers=4, seq=1024, vocab=8192, unfused=False)
     cluster = dataclasses.replace(a100_cluster(4, per_node=1, ideal=True), device=CONTENDED.device)
     config = ParallelConfig(dp=4, zero=2)
@@ -60,9 +62,18 @@ def test_the_step_saves_all_but_the_last_microbatchs_wait(global_batch: int) -> 
     costs = [estimate_layer(layer, cluster, config, "none", seq_len=graph.seq_len, engine=waiting)
              for layer in graph.layers]
     group = dp_groups(config, cluster).dense
-    post = [comm.reduce_scatter_s(c.grad_param_count * 4.0, group, cluster) for c in reversed(costs)]
-    bwd = [c.time_s - c.fwd_s - c.fwd_comm_s for c in reversed(costs)]
-    compute, total = sum(c.time_s for c in costs), sum(post)
+    # each block reduces its own; FSDP2's root group (embedding, final norm, head: cost/fsdpunits.py) once,
+    # after the last backward (the embedding's, last in backward order)
+    blocks = [layer.role is LayerRole.BLOCK for layer in reversed(graph.layers)]
+    root = sum(c.grad_param_count for c, layer in zip(costs, graph.layers) if layer.role is not LayerRole.BLOCK)
+    post = [comm.reduce_scatter_s(c.grad_param_count * 4.0, group, cluster) if block else 0.0
+            for c, block in zip(reversed(costs), blocks)]
+    post[-1] = comm.reduce_scatter_s(root * 4.0, group, cluster)
+    # ZeRO-2 reduces every microbatch, so every backward's weight gradients land in freed .grads
+    # (Engine.grad_freed_after_reduce: estimate.with_fresh_grads takes fresh_grad_saving_s off each backward;
+    # it shows once the reductions start after a block's backward rather than the head's)
+    bwd = [c.time_s - c.fwd_s - c.fwd_comm_s - c.fresh_grad_saving_s for c in reversed(costs)]
+    compute, total = sum(c.time_s - c.fresh_grad_saving_s for c in costs), sum(post)
     per_mb = max(total - compute, 0.0) + F * min(total, compute)
     m = global_batch // 4
     saved = (m - 1) * (_waited_backward(bwd, post) - per_mb)

@@ -109,7 +109,11 @@ def test_the_backward_copy_out_skips_what_stays_gathered() -> None:
     assert with_copy[0] - with_copy[1] == pytest.approx(collectives - saved_copy, rel=1e-9)
 
 
-def test_the_torchtitan_engine_turns_it_on_and_autoplan_s_does_not_yet() -> None:
+def test_torchtitan_and_autoplan_s_executor_have_the_root_group_megatron_does_not() -> None:
+    """torchtitan keeps its root and last block gathered; autoplan's executor passes reshard_after_forward=True
+    to every fully_shard, root included (execute/fsdp.py _wrapper); Megatron's DDP buckets and its FSDP2
+    path wraps the embedding and output layer on their own."""
     titan, own = Engine.load("torchtitan"), Engine.load("autoplan")
     assert (titan.fsdp_root_unit, titan.fsdp_root_reshards, titan.fsdp_last_block_reshards) == (True, False, False)
-    assert (own.fsdp_root_unit, own.fsdp_root_reshards, own.fsdp_last_block_reshards) == (False, True, True)
+    assert (own.fsdp_root_unit, own.fsdp_root_reshards, own.fsdp_last_block_reshards) == (True, True, True)
+    assert not any(Engine.load(name).fsdp_root_unit for name in ("megatron-core", "megatron-lm", "megatron-deepspeed"))

@@ -82,7 +82,8 @@ def test_quick_and_exact_move_alike_when_the_dp_group_crosses_nodes() -> None:
     """Dropping the NIC path (every communicator back to 24 channels) lengthens each candidate whose data-
     parallel group crosses nodes, by the same seconds in the quick estimate as in the exact model (to 12 %
     of the change: the quick estimate prices every layer's collective at the rank's mean layer size, so its
-    latency terms, and with them the hidden seconds, differ by up to ~11 % on this small model), and leaves
+    latency terms, and with them the hidden seconds, differ on this small model: ~11 % with the embedding and
+    head averaged in, ~4 % with FSDP2's root group priced whole, search/rootunit.py), and leaves
     the others alone."""
     graph = gpt_graph(h=1024, a=16, layers=8, seq=1024, vocab=8192)
     new = Cluster.load("dgx-a100-80gb", num_nodes=2)
