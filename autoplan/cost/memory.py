@@ -12,6 +12,7 @@ from autoplan.cost.compute import BlockShape
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.overlap import nccl_channels
 from autoplan.cost.pipeline import in_flight_microbatches
+from autoplan.cost.reserve import block_hidden, runtime_buffer_bytes
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import ZeroLayout, expert_tp_split, zero_layout
@@ -255,13 +256,15 @@ def zero2_reduce_bytes(rank: Any, layout: ZeroLayout, engine: Engine, dtype: str
 
 
 def rank_memory(rank: Any, index: int, cluster: ClusterSpec, config: ParallelConfig, m: int, *,
-                layout: ZeroLayout, engine: Engine, groups: Any, deepspeed: bool) -> MemoryBreakdown:
+                layout: ZeroLayout, engine: Engine, groups: Any, deepspeed: bool,
+                graph: Any = None) -> MemoryBreakdown:
     """Peak bytes on pipeline rank `index`: model states (model_state_bytes under the engine's ZeRO
     layout), ZeRO-3's working set (zero3_working_bytes), activations held for in-flight microbatches
     (pipeline.in_flight_microbatches) plus one layer's backward working set (the re-materialised
-    activations under recompute), NCCL's buffers (nccl_buffer_bytes) and the profile's runtime reserve
-    (CUDA context, library workspaces, allocator fragmentation); ZeRO-2's reduce buffers
-    (zero2_reduce_bytes) count with the gradients."""
+    activations under recompute), and the reserve: the profile's runtime_reserve_bytes (the CUDA context),
+    NCCL's buffers (nccl_buffer_bytes) and the cuBLAS workspaces and engine buffers (cost/reserve.py, for
+    the `graph`'s sequences and widest block, as Megatron sizes TE's userbuffers on every rank alike); ZeRO-2's reduce buffers (zero2_reduce_bytes)
+    count with the gradients."""
     from autoplan.cost.gradpasses import grad_wire_bytes
 
     weights, grads, optimizer = model_state_bytes(rank.dense_params, rank.expert_params, config, layout=layout,
@@ -271,7 +274,8 @@ def rank_memory(rank: Any, index: int, cluster: ClusterSpec, config: ParallelCon
     grads += zero2_reduce_bytes(rank, layout, engine, cluster.dtype, wire)
     in_flight = in_flight_microbatches(config.schedule, config.pp, config.virtual_stages, m, index)
     acts = rank.act_bytes * in_flight + rank.work_bytes
-    reserve = cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster)
+    seq_len, hidden = (graph.seq_len, block_hidden(graph.layers)) if graph is not None else (0, 0)
+    reserve = reserve_bytes(config, cluster, engine, seq_len=seq_len, hidden=hidden)
     return MemoryBreakdown(weights=int(weights), gradients=int(grads), optimizer=int(optimizer),
                            activations=int(acts), reserve=int(reserve))
 
@@ -283,11 +287,22 @@ def layer_state_bytes(cost: Any, config: ParallelConfig, *, dtype: str, engine: 
     return sum(model_state_bytes(cost.grad_param_count, cost.expert_param_count, config, dtype=dtype, engine=engine))
 
 
+def reserve_bytes(config: ParallelConfig, cluster: ClusterSpec, engine: Engine, *, seq_len: int = 0,
+                  hidden: int = 0) -> float:
+    """The reserve of rank_memory: the profile's runtime_reserve_bytes (the CUDA context), NCCL's buffers
+    (nccl_buffer_bytes) and the cuBLAS workspaces and engine buffers (reserve.runtime_buffer_bytes for
+    microbatches of config.microbatch sequences of `seq_len` tokens through blocks of `hidden`)."""
+    buffers = runtime_buffer_bytes(cluster.device, engine, cluster.dtype, tp=config.tp, sp=config.sp, cp=config.cp,
+                                   microbatch=config.microbatch, seq_len=seq_len, hidden=hidden)
+    return cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster) + float(buffers)
+
+
 def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_layer_params: float,
-                       max_param_numel: float, engine: Engine | None = None) -> float:
-    """What every rank holds beyond its layers' states and activations: the runtime reserve, NCCL's
-    buffers, ZeRO-2's reduce buffers (zero2_reduce_bytes) and ZeRO-3's working set (rank_memory's other terms, for a rank whose largest layer has
-    max_layer_params parameters and largest weight max_param_numel)."""
+                       max_param_numel: float, engine: Engine | None = None, seq_len: int = 0,
+                       hidden: int = 0) -> float:
+    """What every rank holds beyond its layers' states and activations: the reserve (reserve_bytes),
+    ZeRO-2's reduce buffers (zero2_reduce_bytes) and ZeRO-3's working set (rank_memory's other terms, for a
+    rank whose largest layer has max_layer_params parameters and largest weight max_param_numel)."""
     from autoplan.cost.gradpasses import grad_wire_bytes
 
     engine = engine or Engine()
@@ -297,7 +312,7 @@ def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_laye
     wire = grad_wire_bytes(cluster.dtype, engine)
     working = (zero3_working_bytes(rank, layout, engine, cluster.dtype, wire, deepspeed)
                + zero2_reduce_bytes(rank, layout, engine, cluster.dtype, wire))
-    return cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster) + working
+    return reserve_bytes(config, cluster, engine, seq_len=seq_len, hidden=hidden) + working
 
 
 class _Largest:

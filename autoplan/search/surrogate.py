@@ -186,7 +186,8 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                      "out_bytes": shape["out_bytes"][key[first]], "act_sends": shape["act_sends"],
                      "act_recvs": shape["act_recvs"], "tied": graph.tied_embedding_params,
                      "last_rank": shape["last_rank"], "max_numel": max_numel[rows[first]],
-                     "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]]}
+                     "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]],
+                     "seq_len": graph.seq_len, "hidden": max((layer.hidden_size for layer in graph.layers), default=0)}
             if per_step is not None:
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
