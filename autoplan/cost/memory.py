@@ -25,10 +25,18 @@ from autoplan.plan.types import MemoryBreakdown, ParallelConfig, Recompute
 WEIGHT_BYTES_PER_PARAM = 2
 GRAD_BYTES_PER_PARAM = 2
 OPTIMIZER_BYTES_PER_PARAM = 12
-# NCCL's staging buffers: NCCL_BUFFSIZE defaults to 4 MiB per channel and direction (NCCL environment
-# variables documentation, NCCL_BUFFSIZE); a ring communicator has a send and a receive connection per
-# channel, so 2 x channels x 4 MiB, the channels being its thread blocks (overlap.nccl_channels).
-NCCL_BUFFER_BYTES = 4 * 2**20
+# NCCL's staging buffers, per side of a connection: every connection gets one buffer per protocol (NCCL
+# src/init.cc computeBuffSizes): SIMPLE DEFAULT_BUFFSIZE 1 << 22 = 4 MiB (NCCL_BUFFSIZE), LL128
+# DEFAULT_LL128_BUFFSIZE 120 x 640 x 8 steps x 8 B = 4,915,200 B, LL DEFAULT_LL_BUFFSIZE 8 x 512 x 8 steps x
+# 16 B = 512 KiB. src/transport/p2p.cc p2pRecvSetup / p2pSendSetup: under P2P read (NVLink between sm >= 80
+# GPUs, the default there) the SIMPLE buffer follows the sender's ncclSendMem and LL + LL128 the receiver's
+# ncclRecvMem, each size ALIGN_SIZE'd to CUDA_IPC_MIN = 2 MiB: 6 MiB a side (write mode: 10 MiB received, the
+# 2 MiB-aligned ncclSendMem sent: the same 12 MiB a pair). A ring channel (one thread block,
+# overlap.nccl_channels) makes a rank the sender of one connection and the receiver of another: 2 x 6 MiB.
+# Not counted: the net transport keeps some of them in host memory (a slight over-count across nodes), tree
+# connections beside the rings, and NVLS buffers (NCCL >= 2.17 on NVSwitch systems with multicast), which
+# depend on NCCL's version and algorithm choice.
+NCCL_BUFFER_BYTES = 6 * 2**20
 
 
 def block_activation_bytes(shape: BlockShape, b: float, s: int, config: ParallelConfig,
@@ -206,7 +214,7 @@ def model_state_bytes(dense_params: float, expert_params: float, config: Paralle
 
 
 def nccl_buffer_bytes(config: ParallelConfig, cluster: ClusterSpec) -> float:
-    """NCCL buffers of the communicators a rank belongs to (NCCL_BUFFER_BYTES each way per channel):
+    """NCCL buffers of the communicators a rank belongs to (NCCL_BUFFER_BYTES per side, two per channel):
     one per mesh axis of size > 1 (tp, cp, ep, pp) and the data-parallel ones (dense over dp * ep * cp,
     experts over their data-parallel group, ParallelConfig.expert_dp, when ep > 1 or folded). A collective
     communicator has its group's channels (overlap.nccl_channels: 24 inside a DGX node, fewer across

@@ -92,3 +92,17 @@ def test_quick_estimate_reserve_matches_the_exact_one() -> None:
                         for c in (space.config(r) for r in rows)])
     assert np.allclose(e_on - e_off, by_hand, rtol=0, atol=2.0)
     assert np.allclose(q_on - q_off, e_on - e_off, rtol=0, atol=2.0)
+
+
+def test_nccl_buffer_per_side_from_nccls_constants() -> None:
+    """NCCL_BUFFER_BYTES from NCCL's own sizes (init.cc DEFAULT_BUFFSIZE, DEFAULT_LL128_BUFFSIZE,
+    DEFAULT_LL_BUFFSIZE) split as p2p.cc splits them under P2P read, each side ALIGN_SIZE'd to 2 MiB."""
+    from autoplan.cost.memory import NCCL_BUFFER_BYTES
+
+    def align(n: int) -> int:
+        return -(-n // (2 * MIB)) * 2 * MIB
+
+    header = 4096  # ncclSendMem / ncclRecvMem: a few KiB, under the 2 MiB alignment
+    simple, ll128, ll = 1 << 22, 120 * 640 * 8 * 8, 8 * 512 * 8 * 16
+    assert align(simple + header) == align(ll128 + ll + header) == NCCL_BUFFER_BYTES
+    assert align(simple + ll128 + ll + header) + align(header) == 2 * NCCL_BUFFER_BYTES  # write mode: same pair
