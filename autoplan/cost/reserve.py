@@ -29,9 +29,12 @@ buffers are cost.memory.nccl_buffer_bytes).
   kLargeBuffer = 20 MiB below kMinLargeAlloc = 10 MiB and of the request rounded up to kRoundLarge = 2 MiB
   above it, and splits a cached block for a smaller request when the remainder exceeds 1 MiB. The tensors
   the model counts are of s b h / t elements and the like: for the published shapes (h a multiple of 1024,
-  s of 2048) multiples of 2 MiB at 16 bits, so their rounding is zero; what blocks freed between live
-  tensors cost at the peak depends on the order of frees, and no public measurement of the reserved minus
-  allocated gap of LLM training gives a figure the mechanism supports, so none is added.
+  s of 2048) multiples of 2 MiB at 16 bits, so their rounding is zero. What blocks freed between live
+  tensors cost at the peak depends on the order of allocations and frees, which the model does not trace.
+  The public measurements of the reserved-but-unallocated gap are of single workloads and far apart: 1.83
+  GiB beside 75.31 GiB allocated at an OOM (vllm-project/compressed-tensors PR 587, Llama 3.3 70B
+  offloading), 16.39 -> 10.83 GiB peak with expandable_segments (meta-pytorch/torchtune issue 1185, an 8B
+  QLoRA on one A100): a percentage taken from them would be a fit, so none is added.
 """
 
 from __future__ import annotations
