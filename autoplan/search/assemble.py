@@ -124,7 +124,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
              engine: Engine, pricing: Pricing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step time, peak memory, activations of the most loaded rank) per candidate. `f` holds the per-rank
     sums [n, p] of the per-layer fields (time, fwd, bwd_weight, act, params, dense_params,
-    expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops and out_bytes;
+    expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops, out_bytes, seq_len, hidden;
     `pricing` what the collectives of one quick estimate share (search/pricing.py)."""
     m = microbatches(c, global_batch)
     shared = assemble_shared(f, layers_per_rank, extra, c, pp, v, cluster, engine, pricing, m=m)
@@ -358,8 +358,7 @@ def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
 def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
     """cost.memory.rank_memory term by term but the activations (schedules.by_schedule adds them: x in-flight
     microbatches + the working set): (model states under the layout + ZeRO-3's working set and ZeRO-2's
-    reduce buffers (cost.memory.zero2_reduce_bytes) [n, p], runtime reserve + NCCL buffers + workspaces and engine
-    buffers [n])."""
+    reduce buffers (cost.memory.zero2_reduce_bytes) [n, p], cost.memory.reserve_bytes [n])."""
     dense_n = (c["dp"] * c["ep"] * c["cp"])[:, None]
     expert_n = expert_dp_degree(c)[:, None]
     shard = f["dense_params"] / dense_n + f["expert_params"] / expert_n
@@ -378,8 +377,7 @@ def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
     working = working + np.where(zero2[:, None], extra["max_params"] * (w + (wire if wire != w else 0.0)), 0.0)
     nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster), "nccl-buffers")
     buffers = runtime_buffer_bytes(cluster.device, engine, cluster.dtype, tp=c["tp"], sp=c["sp"], cp=c["cp"],
-                                   microbatch=c["microbatch"], seq_len=extra.get("seq_len", 0),
-                                   hidden=extra.get("hidden", 0))  # cost.memory.reserve_bytes
+                                   microbatch=c["microbatch"], seq_len=extra.get("seq_len", 0), hidden=extra.get("hidden", 0))
     return states + working, cluster.device.runtime_reserve_bytes + nccl + buffers
 
 
