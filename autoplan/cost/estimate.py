@@ -147,7 +147,7 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     step = max(head, floor) + optimizer
     breakdown = _breakdown(ranks, m, pipe, dp_tail + param_gather + max(floor - head, 0.0), optimizer)
     memories = [rank_memory(r, k, env_of[k].view, config, m, layout=layout, engine=engine, groups=env_of[k].groups,
-                            deepspeed=deepspeed) for k, r in enumerate(ranks)]
+                            deepspeed=deepspeed, graph=graph) for k, r in enumerate(ranks)]
     # the most loaded rank against its own device (the same device everywhere when homogeneous)
     k_peak = max(range(p), key=lambda k: memories[k].total_bytes / views[k].device.mem_bytes)
     peak, capacity = memories[k_peak], views[k_peak].device.mem_bytes

@@ -12,6 +12,7 @@ from autoplan.cost.compute import BlockShape
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.overlap import nccl_channels
 from autoplan.cost.pipeline import in_flight_microbatches
+from autoplan.cost.reserve import block_hidden, runtime_buffer_bytes
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import ZeroLayout, expert_tp_split, zero_layout
@@ -24,10 +25,18 @@ from autoplan.plan.types import MemoryBreakdown, ParallelConfig, Recompute
 WEIGHT_BYTES_PER_PARAM = 2
 GRAD_BYTES_PER_PARAM = 2
 OPTIMIZER_BYTES_PER_PARAM = 12
-# NCCL's staging buffers: NCCL_BUFFSIZE defaults to 4 MiB per channel and direction (NCCL environment
-# variables documentation, NCCL_BUFFSIZE); a ring communicator has a send and a receive connection per
-# channel, so 2 x channels x 4 MiB, the channels being its thread blocks (overlap.nccl_channels).
-NCCL_BUFFER_BYTES = 4 * 2**20
+# NCCL's staging buffers, per side of a connection: every connection gets one buffer per protocol (NCCL
+# src/init.cc computeBuffSizes): SIMPLE DEFAULT_BUFFSIZE 1 << 22 = 4 MiB (NCCL_BUFFSIZE), LL128
+# DEFAULT_LL128_BUFFSIZE 120 x 640 x 8 steps x 8 B = 4,915,200 B, LL DEFAULT_LL_BUFFSIZE 8 x 512 x 8 steps x
+# 16 B = 512 KiB. src/transport/p2p.cc p2pRecvSetup / p2pSendSetup: under P2P read (NVLink between sm >= 80
+# GPUs, the default there) the SIMPLE buffer follows the sender's ncclSendMem and LL + LL128 the receiver's
+# ncclRecvMem, each size ALIGN_SIZE'd to CUDA_IPC_MIN = 2 MiB: 6 MiB a side (write mode: 10 MiB received, the
+# 2 MiB-aligned ncclSendMem sent: the same 12 MiB a pair). A ring channel (one thread block,
+# overlap.nccl_channels) makes a rank the sender of one connection and the receiver of another: 2 x 6 MiB.
+# Not counted: the net transport keeps some of them in host memory (a slight over-count across nodes), tree
+# connections beside the rings, and NVLS buffers (NCCL >= 2.17 on NVSwitch systems with multicast), which
+# depend on NCCL's version and algorithm choice.
+NCCL_BUFFER_BYTES = 6 * 2**20
 
 
 def block_activation_bytes(shape: BlockShape, b: float, s: int, config: ParallelConfig,
@@ -205,7 +214,7 @@ def model_state_bytes(dense_params: float, expert_params: float, config: Paralle
 
 
 def nccl_buffer_bytes(config: ParallelConfig, cluster: ClusterSpec) -> float:
-    """NCCL buffers of the communicators a rank belongs to (NCCL_BUFFER_BYTES each way per channel):
+    """NCCL buffers of the communicators a rank belongs to (NCCL_BUFFER_BYTES per side, two per channel):
     one per mesh axis of size > 1 (tp, cp, ep, pp) and the data-parallel ones (dense over dp * ep * cp,
     experts over their data-parallel group, ParallelConfig.expert_dp, when ep > 1 or folded). A collective
     communicator has its group's channels (overlap.nccl_channels: 24 inside a DGX node, fewer across
@@ -255,13 +264,15 @@ def zero2_reduce_bytes(rank: Any, layout: ZeroLayout, engine: Engine, dtype: str
 
 
 def rank_memory(rank: Any, index: int, cluster: ClusterSpec, config: ParallelConfig, m: int, *,
-                layout: ZeroLayout, engine: Engine, groups: Any, deepspeed: bool) -> MemoryBreakdown:
+                layout: ZeroLayout, engine: Engine, groups: Any, deepspeed: bool,
+                graph: Any = None) -> MemoryBreakdown:
     """Peak bytes on pipeline rank `index`: model states (model_state_bytes under the engine's ZeRO
     layout), ZeRO-3's working set (zero3_working_bytes), activations held for in-flight microbatches
     (pipeline.in_flight_microbatches) plus one layer's backward working set (the re-materialised
-    activations under recompute), NCCL's buffers (nccl_buffer_bytes) and the profile's runtime reserve
-    (CUDA context, library workspaces, allocator fragmentation); ZeRO-2's reduce buffers
-    (zero2_reduce_bytes) count with the gradients."""
+    activations under recompute), and the reserve: the profile's runtime_reserve_bytes (the CUDA context),
+    NCCL's buffers (nccl_buffer_bytes) and the cuBLAS workspaces and engine buffers (cost/reserve.py, for
+    the `graph`'s sequences and widest block, as Megatron sizes TE's userbuffers on every rank alike); ZeRO-2's reduce buffers (zero2_reduce_bytes)
+    count with the gradients."""
     from autoplan.cost.gradpasses import grad_wire_bytes
 
     weights, grads, optimizer = model_state_bytes(rank.dense_params, rank.expert_params, config, layout=layout,
@@ -271,7 +282,8 @@ def rank_memory(rank: Any, index: int, cluster: ClusterSpec, config: ParallelCon
     grads += zero2_reduce_bytes(rank, layout, engine, cluster.dtype, wire)
     in_flight = in_flight_microbatches(config.schedule, config.pp, config.virtual_stages, m, index)
     acts = rank.act_bytes * in_flight + rank.work_bytes
-    reserve = cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster)
+    seq_len, hidden = (graph.seq_len, block_hidden(graph.layers)) if graph is not None else (0, 0)
+    reserve = reserve_bytes(config, cluster, engine, seq_len=seq_len, hidden=hidden)
     return MemoryBreakdown(weights=int(weights), gradients=int(grads), optimizer=int(optimizer),
                            activations=int(acts), reserve=int(reserve))
 
@@ -283,11 +295,22 @@ def layer_state_bytes(cost: Any, config: ParallelConfig, *, dtype: str, engine: 
     return sum(model_state_bytes(cost.grad_param_count, cost.expert_param_count, config, dtype=dtype, engine=engine))
 
 
+def reserve_bytes(config: ParallelConfig, cluster: ClusterSpec, engine: Engine, *, seq_len: int = 0,
+                  hidden: int = 0) -> float:
+    """The reserve of rank_memory: the profile's runtime_reserve_bytes (the CUDA context), NCCL's buffers
+    (nccl_buffer_bytes) and the cuBLAS workspaces and engine buffers (reserve.runtime_buffer_bytes for
+    microbatches of config.microbatch sequences of `seq_len` tokens through blocks of `hidden`)."""
+    buffers = runtime_buffer_bytes(cluster.device, engine, cluster.dtype, tp=config.tp, sp=config.sp, cp=config.cp,
+                                   microbatch=config.microbatch, seq_len=seq_len, hidden=hidden)
+    return cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster) + float(buffers)
+
+
 def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_layer_params: float,
-                       max_param_numel: float, engine: Engine | None = None) -> float:
-    """What every rank holds beyond its layers' states and activations: the runtime reserve, NCCL's
-    buffers, ZeRO-2's reduce buffers (zero2_reduce_bytes) and ZeRO-3's working set (rank_memory's other terms, for a rank whose largest layer has
-    max_layer_params parameters and largest weight max_param_numel)."""
+                       max_param_numel: float, engine: Engine | None = None, seq_len: int = 0,
+                       hidden: int = 0) -> float:
+    """What every rank holds beyond its layers' states and activations: the reserve (reserve_bytes),
+    ZeRO-2's reduce buffers (zero2_reduce_bytes) and ZeRO-3's working set (rank_memory's other terms, for a
+    rank whose largest layer has max_layer_params parameters and largest weight max_param_numel)."""
     from autoplan.cost.gradpasses import grad_wire_bytes
 
     engine = engine or Engine()
@@ -297,7 +320,7 @@ def fixed_memory_bytes(config: ParallelConfig, cluster: ClusterSpec, *, max_laye
     wire = grad_wire_bytes(cluster.dtype, engine)
     working = (zero3_working_bytes(rank, layout, engine, cluster.dtype, wire, deepspeed)
                + zero2_reduce_bytes(rank, layout, engine, cluster.dtype, wire))
-    return cluster.device.runtime_reserve_bytes + nccl_buffer_bytes(config, cluster) + working
+    return reserve_bytes(config, cluster, engine, seq_len=seq_len, hidden=hidden) + working
 
 
 class _Largest:

@@ -41,6 +41,9 @@ class Engine:
     zero3: str = "fsdp2"  # how ZeRO-3 gathers: FSDP2 (per block, prefetched) or DeepSpeed stage 3
     # --- additive fields the physics needs ---
     tp_bwd_overlap: bool = False  # column-parallel input-gradient TP collectives overlap their weight-gradient GEMMs
+    te_userbuffers: bool = False  # tp_comm_overlap runs through Transformer Engine's userbuffers, which register 10 communication buffers of [s b / cp, h] (cost/reserve.py userbuffer_bytes)
+    te_cublas_workspaces: int = 0  # Transformer Engine cuBLAS workspaces (module/base.py get_workspace: 32 MiB on sm 9.x, else 4 MiB; x3 with userbuffers) beside PyTorch's
+    gemm_streams: int = 1  # streams PyTorch's GEMMs run on, each with its own cuBLAS workspace (CublasHandlePool.cpp setCublasWorkspace): the compute stream
     tp_overlap_margin_sms: int = 0  # with tp_comm_overlap: SMs TE's userbuffers keep from the GEMMs beside its reduce-scatter / bulk overlaps for their whole run (cost/userbuffers.py); 0: NCCL's channels over the hidden time (cost/overlap.py)
     description: str = "autoplan's executor (eager PyTorch, SDPA attention, FSDP2, DTensor TP, torch.distributed.pipelining)"
     block_forward_ops: int = 0  # host-issued ops in one block's forward (0: the captured graph's count)

@@ -26,6 +26,7 @@ from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import dtype_bytes
 from autoplan.cost.memory import nccl_buffer_bytes, state_bytes_per_param
 from autoplan.cost.overlap import contention_fraction
+from autoplan.cost.reserve import runtime_buffer_bytes
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute
@@ -127,7 +128,7 @@ def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[
              engine: Engine, pricing: Pricing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(step time, peak memory, activations of the most loaded rank) per candidate. `f` holds the per-rank
     sums [n, p] of the per-layer fields (time, fwd, bwd_weight, act, params, dense_params,
-    expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops and out_bytes;
+    expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops, out_bytes, seq_len, hidden;
     `pricing` what the collectives of one quick estimate share (search/pricing.py)."""
     m = microbatches(c, global_batch)
     shared = assemble_shared(f, layers_per_rank, extra, c, pp, v, cluster, engine, pricing, m=m)
@@ -395,7 +396,7 @@ def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
 def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
     """cost.memory.rank_memory term by term but the activations (schedules.by_schedule adds them: x in-flight
     microbatches + the working set): (model states under the layout + ZeRO-3's working set and ZeRO-2's
-    reduce buffers (cost.memory.zero2_reduce_bytes) [n, p], runtime reserve + NCCL buffers [n])."""
+    reduce buffers (cost.memory.zero2_reduce_bytes) [n, p], cost.memory.reserve_bytes [n])."""
     dense_n = (c["dp"] * c["ep"] * c["cp"])[:, None]
     expert_n = expert_dp_degree(c)[:, None]
     shard = f["dense_params"] / dense_n + f["expert_params"] / expert_n
@@ -413,5 +414,7 @@ def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
     zero2 = ((lay["shards_gradients"] > 0) & (lay["shards_weights"] == 0) & (lay["reduce_every_microbatch"] > 0))
     working = working + np.where(zero2[:, None], extra["max_params"] * (w + (wire if wire != w else 0.0)), 0.0)
     nccl = per_mesh(sizes, lambda config: nccl_buffer_bytes(config, cluster), "nccl-buffers")
-    return states + working, cluster.device.runtime_reserve_bytes + nccl
+    buffers = runtime_buffer_bytes(cluster.device, engine, cluster.dtype, tp=c["tp"], sp=c["sp"], cp=c["cp"],
+                                   microbatch=c["microbatch"], seq_len=extra.get("seq_len", 0), hidden=extra.get("hidden", 0))
+    return states + working, cluster.device.runtime_reserve_bytes + nccl + buffers
 

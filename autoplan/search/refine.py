@@ -69,7 +69,9 @@ def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfi
                for i in run_first for mode in modes)
     # the reserve, NCCL buffers and ZeRO-3's working set (cost.memory.fixed_memory_bytes)
     largest = max(c.param_count for c in costs.values())
-    fixed = cost_model.fixed_memory_bytes(config, cluster, max_layer_params=largest, max_param_numel=largest)
+    hidden = max((layer.hidden_size for layer in graph.layers), default=0)  # cost.reserve.block_hidden
+    fixed = cost_model.fixed_memory_bytes(config, cluster, max_layer_params=largest, max_param_numel=largest,
+                                          seq_len=graph.seq_len, hidden=hidden)
     dtype = cluster.dtype
 
     def static(c: Any) -> float:

@@ -192,7 +192,8 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                      "last_rank": shape["last_rank"], "max_numel": max_numel[rows[first]],
                      "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]],
                      **{k: shape[k][key[first]] for k in ROOT_PER_KEY},
-                     **{k: shape[k] for k in ("root_layers", "rank_blocks", "head_and_block")}}
+                     **{k: shape[k] for k in ("root_layers", "rank_blocks", "head_and_block")},
+                     "seq_len": graph.seq_len, "hidden": max((layer.hidden_size for layer in graph.layers), default=0)}
             if per_step is not None:
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
