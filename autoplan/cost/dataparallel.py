@@ -16,6 +16,7 @@ from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.fsdpunits import unit_numels
 from autoplan.cost.gradpasses import (
     ddp_grad_passes_s,
+    dp_wire_bytes,
     grad_buffer_passes_s,
     grad_wire_bytes,
     reduce_copy_in_s,
@@ -159,7 +160,7 @@ def _overlap(compute: Sequence[float], pre: Sequence[float], post: Sequence[floa
 def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layout: ZeroLayout, engine: Engine,
                   groups: DpGroups) -> None:
     """The rank's data-parallel traffic under `layout` (which collective, how often) and `engine` (what
-    overlaps, in which buckets). Weights travel in the training dtype, gradients at grad_wire_bytes.
+    overlaps, in which buckets). Weights travel in the training dtype, gradients at dp_wire_bytes.
 
     Per microbatch: ZeRO-3's forward gather of each layer (prefetched one layer ahead when
     param_gather_overlap: FSDP2, Li et al. VLDB 2020's two-stream model in overlap.py), its backward
@@ -181,7 +182,7 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
                          + grad_buffer_passes_s(numel, cluster, config, layout, engine))
         return
     w, _, _ = state_bytes_per_param(cluster.dtype, engine)
-    wire = grad_wire_bytes(cluster.dtype, engine)
+    wire = dp_wire_bytes(cluster.dtype, engine)  # the reduction's wire (Engine.bf16_comm: bf16)
     reduce_fn = comm.reduce_scatter_s if layout.grad_reduction == "reduce_scatter" else comm.all_reduce_s
     dense = [c.grad_param_count for c in rank.costs]
     expert = [c.expert_param_count for c in rank.costs]

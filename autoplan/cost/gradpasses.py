@@ -26,6 +26,16 @@ def grad_wire_bytes(dtype: str, engine: Engine) -> float:
     return float(dtype_bytes(dtype))
 
 
+def dp_wire_bytes(dtype: str, engine: Engine) -> float:
+    """Bytes per gradient element on the wire of the data-parallel gradient reduction: the training dtype's
+    where the engine casts BF16_Optimizer's fp32 gradients down for it (Engine.bf16_comm: DeepSpeed engine.py
+    allreduce_bucket `tensor.to(self.communication_data_type)`, bf16 by default for a bf16 model; sources in
+    engines/megatron-deepspeed.yaml bf16_grad_comm), else grad_wire_bytes. The gradient buffers themselves
+    (memory, FSDP2's copy-in) and the tied head's all-reduce (DeepSpeed _exec_reduce_tied_grads reduces
+    weight._hp_grad, fp32, directly) stay at grad_wire_bytes."""
+    return float(dtype_bytes(dtype)) if engine.bf16_comm(dtype) else grad_wire_bytes(dtype, engine)
+
+
 def reduce_copy_in_s(numel: float, cluster: ClusterSpec, layout: ZeroLayout, engine: Engine) -> float:
     """FSDP2's reduce-scatter copy-in (engine.reduce_scatter_copy_in): before each reduce-scatter,
     foreach_reduce_scatter_copy_in reads the unsharded gradients (training dtype) and writes them into
@@ -53,7 +63,7 @@ def ddp_grad_passes_s(numel: float, cluster: ClusterSpec, layout: ZeroLayout, en
     reduction (FSDP's copy-in is reduce_copy_in_s)."""
     if layout.grad_reduction != "all_reduce" or layout.reduce_every_microbatch:
         return 0.0
-    return memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * numel)
+    return memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine, numel) * numel)
 
 
 def grad_buffer_passes_s(numel: float, cluster: ClusterSpec, config: ParallelConfig, layout: ZeroLayout,
@@ -75,7 +85,43 @@ def grad_buffer_pass_bytes(dtype: str, engine: Engine, dp: Any) -> Any:
     return grad_wire_bytes(dtype, engine) * (1.0 + 2.0 * (np.asarray(dp) > 1))
 
 
-def ddp_grad_pass_bytes(dtype: str, engine: Engine) -> float:
-    """Bytes per local gradient element of ddp_grad_passes_s's passes (read + write each, reduce dtype)."""
+def ddp_grad_pass_bytes(dtype: str, engine: Engine, numel: Any) -> Any:
+    """Bytes per local gradient element of ddp_grad_passes_s's passes over a rank's `numel` gradients (a
+    scalar or an array of candidates): bf16_comm_pass_bytes under Engine.bf16_comm, else the engine's passes,
+    a read and a write each in the reduce dtype."""
+    if engine.bf16_comm(dtype):
+        return bf16_comm_pass_bytes(dtype, engine, numel)
     passes = engine.dp_overlap_grad_passes if engine.dp_comm_overlap else engine.dp_grad_passes
     return passes * 2.0 * grad_wire_bytes(dtype, engine)
+
+
+# torch copy_ of a view onto the very memory it reads: aten/src/ATen/native/Copy.cpp copy_impl "Exit early if
+# self and src are views of the same data" (is_alias_of, same storage_offset, strides, sizes, dtype: no kernel;
+# in torch 2.x, e.g. the 2.13 installed here: 50M-element self copy 0.1 ms vs 20 ms for a copy). Older copy_impl
+# (the v1.7-1.8 forks SNU-ARC/flashneuron, K-Wu/pytorch-direct) returned early only for `self.is_same(src)`,
+# which unflatten's narrow view is not: one read and one write of the buffer there. When between v1.8 and 2.x
+# the check came is not pinned here; this engine is Megatron-DeepSpeed of 2023 (engines/megatron-deepspeed.yaml)
+SELF_COPY_PASSES = 0  # read + write passes of such a copy
+
+
+def bf16_comm_pass_bytes(dtype: str, engine: Engine, numel: Any) -> Any:
+    """Bytes per local gradient element that DeepSpeed's once-per-step all-reduce of BF16_Optimizer's fp32
+    gradient buffer makes on the compute stream when it travels in the training dtype (Engine.bf16_comm).
+    v0.6.2-v0.11.1 pipe/engine.py _bf16_reduce_grads -> engine.py buffered_allreduce_fallback(grads=
+    optimizer.get_grads_for_reduction(): bf16_optimizer.py fp32_groups_gradients_flat, one flat fp32 buffer per
+    param group, Megatron's weight-decay group first) -> allreduce_no_retain (a bucket closes once it holds more
+    than dp_bucket_numel elements) -> allreduce_and_copy -> allreduce_bucket:
+      `tensor = self.flatten(bucket)`: torch flatten_dense_tensors, a view for a one-tensor bucket, else a cat
+          (a read and a write of the buffer, b = grad_wire_bytes);
+      `tensor.to(self.communication_data_type)`: the cast, b read + w written (w = the dtype's bytes);
+      `tensor_to_allreduce.mul_(gradient_predivide_factor / world_size)` after the all-reduce (postscale, the
+          default): w + w (skipped with one rank: not modelled, as dp_grad_passes);
+      `tensor.copy_(tensor_to_allreduce)`: the copy back, w + b;
+      then `buf.copy_(synced)` per buffer: b + b from the cat's result, a copy onto itself for a one-tensor
+          bucket (SELF_COPY_PASSES).
+    A rank whose gradients exceed dp_bucket_numel has its weight-decay buffer (nearly all of them; the no-decay
+    group holds the norms and biases) in a bucket of its own: counted so when `numel` exceeds it."""
+    b, w = grad_wire_bytes(dtype, engine), float(dtype_bytes(dtype))
+    alone = (np.asarray(numel) > engine.dp_bucket_numel) & (engine.dp_bucket_numel > 0)
+    out = (b + w) + 2.0 * w + (w + b) + np.where(alone, 2.0 * b * SELF_COPY_PASSES, 4.0 * b)
+    return float(out) if np.ndim(out) == 0 else out

@@ -120,6 +120,7 @@ class Engine:
     # DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, from v0.6.2): what the engine does for a
     # plan trained in bf16 only (gated in one place, Engine.bf16_optimizer_runs; fp16 / fp32 plans never see it)
     bf16_optimizer_grads: bool = False  # under bf16, every microbatch's backward starts with the bf16 .grads None (clear_lp_grads) and ends by casting each into the fp32 gradient (update_hp_grads): fresh gradients every microbatch and a cast + add pass per parameter (cost/layer.py hp_grad_update_s)
+    bf16_grad_comm: bool = False  # under bf16, the data-parallel all-reduce of BF16_Optimizer's fp32 gradient buffer travels in bf16: each bucket is cast to bf16, scaled, reduced and copied back into the fp32 buffer (DeepSpeed's default communication_data_type; cost/gradpasses.py dp_wire_bytes, bf16_comm_pass_bytes); the tied head's all-reduce stays fp32
     zero1_all_reduce: bool = False  # under bf16, ZeRO-1 reduces the full gradients with an all-reduce (each rank then updates its shard and all-gathers the weights), not a reduce-scatter: BF16_Optimizer's own sharding under DeepSpeed's pipeline engine (plan.layout.zero_layout)
     source: str = ""  # the file it came from
 
@@ -151,8 +152,8 @@ class Engine:
                              f"so {', '.join(map(repr, on))} must be false")
 
     def bf16_optimizer_runs(self, dtype: str) -> bool:
-        """Whether DeepSpeed's BF16_Optimizer runs a plan trained in `dtype`: the one gate of bf16_optimizer_grads
-        and zero1_all_reduce (hp_grads, zero1_all_reduces), read by the exact model (cost/layer.py,
+        """Whether DeepSpeed's BF16_Optimizer runs a plan trained in `dtype`: the one gate of bf16_optimizer_grads,
+        zero1_all_reduce and bf16_grad_comm (hp_grads, zero1_all_reduces, bf16_comm), read by the exact model (cost/layer.py,
         cost/estimate.py), its ZeRO layout (plan.layout.zero_layout) and the quick estimate (search/assemble.py).
         DeepSpeed builds it only for a bf16 model: v0.6.2-v0.7.x engine.py _configure_optimizer `elif
         self.bfloat16_enabled(): self.optimizer = self._configure_bf16_optimizer(...)` (after ZeRO, amp and fp16);
@@ -169,6 +170,10 @@ class Engine:
     def zero1_all_reduces(self, dtype: str) -> bool:
         """zero1_all_reduce for a plan trained in `dtype` (bf16_optimizer_runs)."""
         return self.zero1_all_reduce and self.bf16_optimizer_runs(dtype)
+
+    def bf16_comm(self, dtype: str) -> bool:
+        """bf16_grad_comm for a plan trained in `dtype` (bf16_optimizer_runs)."""
+        return self.bf16_grad_comm and self.bf16_optimizer_runs(dtype)
 
     @staticmethod
     def load(name_or_path: str | os.PathLike[str]) -> Engine:

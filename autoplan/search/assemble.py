@@ -21,7 +21,12 @@ from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.estimate import adam_bytes_per_param, fresh_grad_share
 from autoplan.cost.experts import expert_dp_placement
-from autoplan.cost.gradpasses import ddp_grad_pass_bytes, grad_buffer_pass_bytes, grad_wire_bytes
+from autoplan.cost.gradpasses import (
+    ddp_grad_pass_bytes,
+    dp_wire_bytes,
+    grad_buffer_pass_bytes,
+    grad_wire_bytes,
+)
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import dtype_bytes
 from autoplan.cost.memory import nccl_buffer_bytes, state_bytes_per_param
@@ -150,7 +155,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
     w, g, o = state_bytes_per_param(cluster.dtype, engine)
-    wire = grad_wire_bytes(cluster.dtype, engine)
+    wire, dp_wire = grad_wire_bytes(cluster.dtype, engine), dp_wire_bytes(cluster.dtype, engine)
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
@@ -172,15 +177,15 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
                       * units_l)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
 
     (gather_d, gather_e), scatter = per_layer("ag", w), lay["reduce_scatter"][:, None] > 0
-    (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", wire), per_layer("ar", wire)
+    (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", dp_wire), per_layer("ar", dp_wire)
     red_d, red_e = np.where(scatter, rs_d, ar_d), np.where(scatter, rs_e, ar_e)
     gather, rs_or_ar = gather_d + gather_e, red_d + red_e
     first = None if root is None else root_seconds(  # the root's (forward gather, backward gather, reduction)
         root, lambda n: collective_s("ag", sizes, dense_axes, n * w, cluster),
-        lambda n: np.where(scatter, *(collective_s(k, sizes, dense_axes, n * wire, cluster) for k in ("rs", "ar"))))
+        lambda n: np.where(scatter, *(collective_s(k, sizes, dense_axes, n * dp_wire, cluster) for k in ("rs", "ar"))))
     dense_s = gather_d + red_d if first is None else gather_d + red_d + first[0] + first[2]
     frac, dense_frac = dp_fractions(sizes, cluster, dense_s, gather_e + red_e)
-    reduce = _bucketed_reduce(rs_or_ar, own + expert, units_l, sizes, lay, wire, cluster, engine)
+    reduce = _bucketed_reduce(rs_or_ar, own + expert, units_l, sizes, lay, dp_wire, cluster, engine)
     last = None if first is None else first[2]  # the root's reduction, after the rank's last backward
     reduce_all = reduce if last is None else reduce + last
     # what of the first block's forward gather the root group's layers before it (the embedding) hide
@@ -193,7 +198,8 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
                        memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
     # gradpasses.ddp_grad_passes_s: the DDP's flatten / divide / copy-back passes around a per-step all-reduce
     ddp = np.where(lay["reduce_scatter"][:, None] == 0,  # at any group size, as the exact model
-                   memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine) * (dense + expert)), 0.0)
+                   memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine, dense + expert)
+                                 * (dense + expert)), 0.0)
     if engine.grad_buffer_passes:  # gradpasses.grad_buffer_passes_s: the zero fill and the 1 / dp scale
         per = grad_buffer_pass_bytes(cluster.dtype, engine, (c["dp"] * c["ep"])[:, None])
         ddp = ddp + np.where(lay["reduce_every_microbatch"][:, None] == 0,
@@ -234,9 +240,9 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     x = f["time"] + hops + dp_f + dp_b
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
-    chunked, step_gather = chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, w, cluster, engine, m, frac, pp, v)
+    chunked, step_gather = chunk_terms(extra, rs_or_ar, layers, sizes, lay, dp_wire, w, cluster, engine, m, frac, pp, v)
     once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, units_l, units, lay, engine, frac, sizes,
-                       dense, expert, wire, w, cluster, copy_in + ddp, async_tail, tied,
+                       dense, expert, dp_wire, w, cluster, copy_in + ddp, async_tail, tied,
                        int(extra.get("last_rank", pp - 1)),
                        None if root is None else (first, fwd_u, bwd_u + dp_b, lead), chunked, step_gather),
             _optimizer(f, c, lay, cluster, engine)]

@@ -102,14 +102,15 @@ def test_zero1_all_reduce_doubles_the_gradient_reduction() -> None:
     reduce-scatter and an all-gather of the same bytes: about twice) plus the all-reduce's own passes over
     the gradients (buffered_allreduce_fallback's flatten, scale, copy back: megatron-deepspeed.yaml
     dp_grad_passes 3, a read and a write of 4 bytes each), the weight all-gather and the optimizer step
-    unchanged. The quick estimate moves with it."""
+    unchanged. The quick estimate moves with it. (With the fp32 wire: bf16_grad_comm off here; the bf16 wire
+    and its passes are test_cost_bf16_grad_comm.py's.)"""
     from autoplan.cost import estimate_config
     from autoplan.cost.comm import all_reduce_s, group_placement, reduce_scatter_s
     from autoplan.search.space import SearchOptions, enumerate_space
 
     graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096, unfused=True)
     config = ParallelConfig(dp=8, zero=1, microbatch=1)
-    rs, ar = (dataclasses.replace(ASYNC, zero1_all_reduce=flag) for flag in (False, True))
+    rs, ar = (dataclasses.replace(ASYNC, zero1_all_reduce=flag, bf16_grad_comm=False) for flag in (False, True))
     a, b = (estimate_config(graph, CLUSTER, config, global_batch=16, engine=e) for e in (rs, ar))
     grads = sum(layer.num_params for layer in graph.layers) - graph.tied_embedding_params
     group = group_placement(config, ("dp",), CLUSTER.devices_per_node)
