@@ -60,7 +60,8 @@ def _value(key: str, value: Any, path: str) -> Any:
         if isinstance(value, float) and value.is_integer():
             value = int(value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{path}: field {key!r} must be a non-negative integer, got {value!r}")
+            hint = " (YAML reads yes / no / on / off as booleans)" if isinstance(value, bool) else ""
+            raise ValueError(f"{path}: field {key!r} must be a non-negative integer, got {value!r}{hint}")
         return value
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
@@ -82,7 +83,10 @@ def parse_engine(data: Any, path: str) -> Engine:
         raise ValueError(f"{path}: schema_version {data['schema_version']!r} is not supported (this autoplan "
                          f"reads {SCHEMA_VERSION})")
     values = {k: _value(k, v, path) for k, v in data.items() if k != "schema_version"}
-    return Engine(**values, source=path)
+    try:
+        return Engine(**values, source=path)
+    except ValueError as exc:  # a rule across fields (Engine.__post_init__): name the file as every field error does
+        raise ValueError(f"{path}: {exc}") from None
 
 
 def load_engine(name_or_path: str | os.PathLike[str]) -> Engine:

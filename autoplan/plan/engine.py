@@ -22,7 +22,7 @@ GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
 RMSNORM_KINDS = ("eager", "eager_fp32", "fused")
 # what an engine overlaps with the compute it issues from the same host thread (none under launch_blocking)
 OVERLAP_FIELDS = ("tp_comm_overlap", "tp_bwd_overlap", "dp_comm_overlap", "param_gather_overlap", "cp_comm_overlap",
-                  "grad_reduce_async")
+                  "grad_reduce_async", "pp_p2p_overlap")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -12,7 +12,7 @@ from autoplan.cluster import Cluster, ClusterSpec
 from autoplan.cluster import load as load_module
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED = ("dgx-a100-80gb", "dgx-h100-80gb", "h100-roce-400g", "h200", "local-cpu")
+SHIPPED = ("dgx-a100-80gb", "dgx-h100-80gb", "h100-roce-400g", "h200", "jean-zay-a100-80gb", "local-cpu")
 
 # Vendor datasheets (dense tensor-core FLOP/s, HBM bytes/s, NVLink one direction, NIC per GPU):
 # A100 SXM4 80GB, H100 SXM5, H200 SXM datasheets; the sources are cited beside each figure in profiles/.
@@ -34,6 +34,9 @@ DATASHEET = {
         "nic": 50e9,
     },
     "h100-roce-400g": {"bf16": 989e12, "fp32": 67e12, "mem_bw": 3.35e12, "mem_gb": 80, "nvlink": 450e9, "nic": 50e9},
+    # Jean Zay's A100 nodes: the A100 datasheet, 4 x 100 Gb/s Omni-Path per 8 GPUs (BLOOM paper 3.4.1)
+    "jean-zay-a100-80gb": {"bf16": 312e12, "fp32": 19.5e12, "mem_bw": 2.039e12, "mem_gb": 80, "nvlink": 300e9,
+                           "nic": 6.25e9},
     "h200": {"bf16": 989e12, "fp32": 67e12, "mem_bw": 4.8e12, "mem_gb": 141, "nvlink": 450e9, "nic": 50e9},
 }
 

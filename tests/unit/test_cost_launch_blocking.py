@@ -81,6 +81,18 @@ def test_an_overlapping_engine_cannot_block_its_launches() -> None:
     assert all(not Engine.load(name).launch_blocking for name in Engine.names())  # asynchronous by default
 
 
+def test_a_blocking_engine_file_with_overlapped_p2p_is_refused_in_one_line(tmp_path) -> None:
+    """Megatron-Core's interleaved p2p overlap (pp_p2p_overlap) is an overlap too: a YAML asking for it under
+    launch_blocking is refused before any pricing, in one line that names the file and the field."""
+    path = tmp_path / "blocking.yaml"
+    path.write_text("schema_version: 1\nname: blocking\nlaunch_blocking: true\npp_p2p_overlap: true\n"
+                    + "".join(f"{f}: false\n" for f in OVERLAP_FIELDS if f != "pp_p2p_overlap"))
+    with pytest.raises(ValueError) as err:
+        Engine.load(str(path))
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(str(path)) and "'pp_p2p_overlap'" in message
+
+
 def test_the_quick_estimate_adds_what_the_exact_model_adds() -> None:
     """search/surrogate.py reads the same per-layer costs (estimate_layer under the engine): the step-time
     change from blocking launches agrees row by row."""
