@@ -246,7 +246,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
                        int(extra.get("last_rank", pp - 1)),
                        None if root is None else (first, fwd_u, bwd_u + dp_b, lead), chunked, step_gather),
             _optimizer(f, c, lay, cluster, engine)]
-    if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
+    if "ds_layer_ops" in extra:  # cost.deepspeedrank.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
     states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve,

@@ -319,16 +319,16 @@ def _per_rank(per_stage: np.ndarray, placement: np.ndarray, ranks: tuple[int, ..
 
 def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, np.ndarray], idx: np.ndarray,
                           cost: Any, engine: Engine) -> dict[str, np.ndarray]:
-    """cost.dataparallel.deepspeed_step_s per candidate, as host ops once per step (ds_fixed_ops) and per
+    """cost.deepspeedrank.deepspeed_step_s per candidate, as host ops once per step (ds_fixed_ops) and per
     layer (ds_layer_ops) and the elements the persistent re-gather gathers per layer (ds_layer_elements),
-    from one block (cost.dataparallel.layer_numels, layer_small_numels): with zero3_serial_grad_checks
+    from one block (cost.deepspeedrank.layer_numels, layer_small_numels): with zero3_serial_grad_checks
     cost.deepspeed.serial_grad_checks over its parameter tensors, with zero3_regather_persistent
     cost.deepspeed.persistent_regather over its small parameters (its list gather's
     regather_list_ops once per step); with zero3_small_grad_hooks the share of the gradient elements whose
     bucket is flushed just before a fetch (ds_fetch_wait_share: cost.zero3_grads.fetch_wait_share). Each
     distinct (tp, data-parallel size) priced once."""
     from autoplan.cost import deepspeed as ds
-    from autoplan.cost.dataparallel import layer_numels, layer_small_numels
+    from autoplan.cost.deepspeedrank import layer_numels, layer_small_numels
     from autoplan.cost.zero3_grads import fetch_wait_share
 
     block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
@@ -385,7 +385,7 @@ def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
 
 
 def max_param_numel(graph: Any, tp: np.ndarray) -> np.ndarray:
-    """The largest single weight matrix a device holds (cost.dataparallel.layer_numels' rule: a block's
+    """The largest single weight matrix a device holds (cost.deepspeedrank.layer_numels' rule: a block's
     QKV, projection or MLP matmul after tp; any other layer is one parameter, vocab-parallel over tp)."""
     from autoplan.cost.compute import block_shape
 
