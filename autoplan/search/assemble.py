@@ -36,18 +36,17 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig, Recompute
 from autoplan.search.chunks import chunk_terms
+from autoplan.search.collectives import (
+    EXPERT_DP,
+    _bucket_count,
+    _bucketed_reduce,
+    collective_s,
+    expert_dp_degree,
+    mesh_sizes,
+)
 from autoplan.search.exposed import exposed, uniform_exposed
 from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
-from autoplan.search.pricing import (
-    MESH_COLS,
-    Mesh,
-    Pricing,
-    config_of,
-    int_codes,
-    per_mesh,
-    price_classes,
-    price_rows,
-)
+from autoplan.search.pricing import Mesh, Pricing, int_codes, per_mesh
 from autoplan.search.rootunit import quick_root, root_seconds
 from autoplan.search.schedules import Shared, by_schedule, shared_pipeline
 from autoplan.search.space import RECOMPUTES
@@ -76,51 +75,6 @@ def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defer
     lay = zero_layout(ParallelConfig(zero=zero, pp=pp, dp=dp, ep=ep, cp=cp), 1, zero3=zero3,
                       pipelined_fsdp_defers_sync=defers, zero1_all_reduce=all_reduce)
     return tuple(float(getattr(lay, f)) for f in _LAYOUT_FIELDS) + (float(lay.grad_reduction == "reduce_scatter"),)
-
-
-_KINDS = {"ag": comm.all_gather_s, "rs": comm.reduce_scatter_s, "ar": comm.all_reduce_s}
-# the experts' data-parallel group (cost.experts.expert_dp_placement: dp * cp unfolded, edp when folded)
-EXPERT_DP = ("edp",)
-
-
-def mesh_sizes(c: dict[str, np.ndarray], pricing: Pricing | None = None) -> Mesh:
-    """[n, 7] mesh degrees per candidate (MESH_AXIS_ORDER's five, then the folded expert degrees), with what
-    pricing their collectives shares (search/pricing.py)."""
-    return Mesh.of(np.stack([c[k] for k in MESH_COLS], axis=1), pricing)
-
-
-def expert_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
-    """ParallelConfig.expert_dp per candidate: dp * ep * cp * tp / (expert_tp * expert_ep)."""
-    etp = np.where(c["etp"] > 0, c["etp"], c["tp"])
-    eep = np.where(c["eep"] > 0, c["eep"], c["ep"])
-    return c["dp"] * c["ep"] * c["cp"] * c["tp"] // (etp * eep)
-
-
-def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarray,
-                 cluster: ClusterSpec, per_class: bool = False) -> np.ndarray:
-    """cost.comm's time of `kind` ('ag', 'rs', 'ar') for each candidate's group over `axes` (the mesh from
-    mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array [n] or [n, p];
-    with `per_class`, one row per class of the mesh, and so the result); each distinct (group placement,
-    bytes) pair is priced once (search/pricing.py)."""
-    mesh = sizes if isinstance(sizes, Mesh) else Mesh.of(sizes)
-    per_node = cluster.devices_per_node
-    if axes == EXPERT_DP:
-        def place(row: tuple[int, ...]) -> Any:
-            return expert_dp_placement(config_of(row), per_node)
-    else:
-        def place(row: tuple[int, ...]) -> Any:
-            return comm.group_placement(config_of(row), axes, per_node)
-    fn = _KINDS[kind]
-    price = price_classes if per_class else price_rows
-    return price(mesh, np.round(np.asarray(nbytes, dtype=float)), place, lambda b, group: fn(b, group, cluster),
-                 (axes, kind))
-
-
-def _bucket_count(params: np.ndarray, layers: np.ndarray, bucket: int) -> np.ndarray:
-    """How many collectives a rank's gradients take: one per layer, or per bucket of `bucket` elements."""
-    if not bucket:
-        return layers
-    return np.maximum(np.ceil(params / bucket), 1.0)
 
 
 def microbatches(c: dict[str, np.ndarray], global_batch: int) -> np.ndarray:
@@ -266,19 +220,6 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
     total = dense_s + expert_s
     mixed = (fd * dense_s + fe * expert_s) / np.where(total > 0, total, 1.0)
     return np.where(expert_s > 0, mixed, fd + 0.0 * total), fd
-
-
-def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine, bucket=None) -> np.ndarray:
-    """Reduction time of a rank's gradients: per layer, or in the engine's buckets (dp_bucket_numel, or
-    `bucket` elements: np.inf for one collective of them all)."""
-    bucket = engine.dp_bucket_numel if bucket is None else bucket
-    if not bucket:
-        return per_layer_total
-    buckets = _bucket_count(params, layers, bucket)
-    one = np.minimum(params / buckets, bucket) * wire
-    rs = collective_s("rs", sizes, ("dp", "ep", "cp"), one, cluster)
-    ar = collective_s("ar", sizes, ("dp", "ep", "cp"), one, cluster)
-    return np.where(lay["reduce_scatter"][:, None] > 0, rs, ar) * buckets
 
 
 def _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine) -> np.ndarray:
