@@ -223,7 +223,7 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
 
 
 def _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine) -> np.ndarray:
-    """DeepSpeed stage 3's once-per-step host work (surrogate._deepspeed_step_terms) on the most loaded
+    """DeepSpeed stage 3's once-per-step host work (deepspeed_terms._deepspeed_step_terms) on the most loaded
     rank: its host ops, the persistent re-gather's all-gather and, with zero3_serial_grad_checks, the two
     one-element all-reduces (cost.deepspeed.GRAD_CHECK_MESSAGES)."""
     ops = extra["ds_fixed_ops"][:, None] + extra["ds_layer_ops"][:, None] * layers
