@@ -6,7 +6,8 @@ working set and the in-flight microbatches. Memory is the exact model's sum term
 the two-stream simulation of identical layers by its closed form (overlap.overlapped_s with L equal layers
 of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) max(c, g + q) + q), the L
 units being a rank's blocks where FSDP2's root group holds its other layers (cost.fsdpunits.root_terms,
-whose collectives come whole: search/rootunit.py).
+whose collectives come whole: search/rootunit.py). The collectives are priced per candidate by
+search/collectives.py, DeepSpeed's stage 3 by search/deepspeed_terms.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
-from autoplan.cost import deepspeed as ds
 from autoplan.cost.estimate import adam_bytes_per_param, fresh_grad_share
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.gradpasses import (
@@ -34,7 +34,7 @@ from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.reserve import runtime_buffer_bytes
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
-from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.plan.types import ParallelConfig
 from autoplan.search.chunks import chunk_terms
 from autoplan.search.collectives import (
     EXPERT_DP,
@@ -44,12 +44,12 @@ from autoplan.search.collectives import (
     expert_dp_degree,
     mesh_sizes,
 )
-from autoplan.search.exposed import exposed, uniform_exposed
+from autoplan.search.deepspeed_terms import _deepspeed, _deepspeed_step
+from autoplan.search.exposed import exposed
 from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import Mesh, Pricing, int_codes, per_mesh
 from autoplan.search.rootunit import quick_root, root_seconds
 from autoplan.search.schedules import Shared, by_schedule, shared_pipeline
-from autoplan.search.space import RECOMPUTES
 
 _LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "reduce_every_microbatch",
                   "weight_gathers_per_microbatch", "weight_gathers_per_step")
@@ -220,72 +220,6 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
     total = dense_s + expert_s
     mixed = (fd * dense_s + fe * expert_s) / np.where(total > 0, total, 1.0)
     return np.where(expert_s > 0, mixed, fd + 0.0 * total), fd
-
-
-def _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine) -> np.ndarray:
-    """DeepSpeed stage 3's once-per-step host work (deepspeed_terms._deepspeed_step_terms) on the most loaded
-    rank: its host ops, the persistent re-gather's all-gather and, with zero3_serial_grad_checks, the two
-    one-element all-reduces (cost.deepspeed.GRAD_CHECK_MESSAGES)."""
-    ops = extra["ds_fixed_ops"][:, None] + extra["ds_layer_ops"][:, None] * layers
-    gather = collective_s("ag", sizes, dense_axes, extra["ds_layer_elements"][:, None] * layers * w, cluster)
-    out = (ops * cluster.device.op_overhead_s + gather).max(axis=1)
-    if engine.zero3_serial_grad_checks:
-        for nbytes in ds.GRAD_CHECK_MESSAGES:
-            out = out + np.where(extra["ds_fixed_ops"] > 0, collective_s(
-                "ar", sizes, dense_axes, np.full(len(out), nbytes), cluster), 0.0)
-    return out
-
-
-def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac, flushed=0.0):
-    """DeepSpeed stage 3 (cost/deepspeed.py) for equal layers: each layer's parameters gathered in forward,
-    again for a full recompute, again in backward, the buckets reduced as they fill; the host launches of
-    the copy-out delay the compute. With prefetch (param_gather_overlap and zero3_trace_aligned) one sub-
-    module ahead; without, each gather is waited for and each bucket's reduction hides behind the next
-    backward sub-module's compute (_deepspeed_serial), but for the share `flushed` that a small gradient's hook
-    flushes just before a fetch (cost.zero3_grads.fetch_wait_share), reduced beside nothing."""
-    if not mask.any():
-        return dp_f, dp_b
-    dense = f["dense_params"] + f["expert_params"]
-    modules = 4.0 * layers  # a block's weight matrices
-    gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
-    one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster)
-    n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
-    op = cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0
-    before, after = ds.VIEW_OP * n * op, ds.CXX_COPY_OP * n * op
-    blocked = ds.CXX_COPY_OP * np.maximum(n - ds.PENDING_LAUNCHES, 0.0) * op
-    red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
-    buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
-    red = collective_s(red_fn, sizes, ("dp", "ep", "cp"), dense / buckets * wire, cluster) * buckets
-    # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
-    full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
-    share = np.where(full, 0.25, 1.0 / 3.0)  # forward : recompute : backward host = 1 : 1 : 2 (block_modules)
-    host_f = f["host"] * share if ds.sync_adds_host(engine) else 0.0 * one
-    host_b = f["host"] - host_f if ds.sync_adds_host(engine) else 0.0 * one
-    if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
-        exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
-                                                 np.maximum(after, one + blocked), red, buckets, modules, gathers,
-                                                 flushed)
-        exp_f, exp_b = exp_f + host_f, exp_b + host_b
-        return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + frac * hidden, dp_b)
-    comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
-    exp_f = uniform_exposed(f["fwd"] + host_f, comm_f, None, modules) + (before + after) * modules + host_f
-    exp_b = (uniform_exposed(f["time"] - f["fwd"] + host_b, comm_b, None, modules)
-             + (before + after) * modules * (gathers - 1) + host_b)
-    pen = frac * np.maximum(comm_f + comm_b - exp_f - exp_b + host_f + host_b, 0.0)
-    return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + pen, dp_b)
-
-
-def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers, share=0.0):
-    """(forward, backward exposed, hidden) seconds of stage 3 without prefetch, for equal sub-modules: every
-    gather waited for (the views built before it, the copy-out launches while it runs), each bucket's
-    reduction beside the next backward sub-module's compute (its share of `bwd`), but for `share` of them
-    (flushed before a fetch: exposed), the last after it."""
-    gather = before + np.maximum(one, after)  # after: the launches (those past the stream's queue follow the gather)
-    per_red = red / buckets
-    beside = bwd / (modules * (gathers - 1.0))
-    hidden = (1.0 - share) * (buckets - 1.0) * np.minimum(per_red, beside)
-    exposed_red = (buckets - 1.0) * ((1.0 - share) * np.maximum(per_red - beside, 0.0) + share * per_red) + per_red
-    return gather * modules, gather * modules * (gathers - 1.0) + exposed_red, hidden
 
 
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire,
