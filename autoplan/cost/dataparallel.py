@@ -1,6 +1,7 @@
 """Data-parallel traffic of one pipeline rank as the engine runs its ZeRO layout (plan.layout.zero_layout):
 weight all-gathers and gradient reductions, per microbatch or per step, overlapped with the compute
-beside them or exposed, in the engine's buckets; and DeepSpeed's stage 3 (cost/deepspeed.py).
+beside them or exposed, in the engine's buckets. DeepSpeed's stage 3 on a rank (deepspeed_rank,
+deepspeed_step_s, layer_numels, layer_small_numels) lives in cost/deepspeedrank.py and is re-exported here.
 """
 
 from __future__ import annotations
@@ -10,15 +11,13 @@ from dataclasses import dataclass, field
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import chunksync, comm
-from autoplan.cost import deepspeed as ds
-from autoplan.cost.compute import block_shape
+from autoplan.cost.deepspeedrank import deepspeed_rank, deepspeed_step_s, layer_numels, layer_small_numels
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.fsdpunits import unit_numels
 from autoplan.cost.gradpasses import (
     ddp_grad_passes_s,
     dp_wire_bytes,
     grad_buffer_passes_s,
-    grad_wire_bytes,
     reduce_copy_in_s,
 )
 from autoplan.cost.kernels import memory_time_s
@@ -26,10 +25,13 @@ from autoplan.cost.memory import state_bytes_per_param
 from autoplan.cost.overlap import contention_fraction, exposed_s, hidden_penalty_s, mixed_fraction
 from autoplan.cost.pipeline import nic_shared_reduce_s
 from autoplan.cost.types import GroupPlacement, LayerCost
-from autoplan.graph.types import Layer, LayerGraph, LayerRole
+from autoplan.graph.types import Layer
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import ZeroLayout
 from autoplan.plan.types import ParallelConfig
+
+__all__ = ["DpGroups", "Rank", "add_layers", "async_reduce", "async_reduce_s", "deepspeed_rank", "deepspeed_step_s",
+           "dp_fraction", "dp_groups", "layer_numels", "layer_small_numels", "rank_dp_times"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,129 +312,3 @@ def _nic_shared(rank: Rank, config: ParallelConfig, groups: DpGroups, reduce: fl
     nic_in = sum(c.cp_comm_s for c in rank.costs) if cp_nic else 0.0
     shared, stream = nic_shared_reduce_s(reduce, compute, nic_in, rank.pp_nic)
     return float(shared), float(stream)
-
-
-def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
-    """The weight matrices of a layer on this device (elements, after tp), in forward order: a block's
-    QKV, projection and n_mlp MLP matmuls (the remaining parameters, norms and biases, ride with the
-    projection); any other layer is one parameter."""
-    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-    if shape is None or layer.role is not LayerRole.BLOCK:
-        return [float(cost.grad_param_count + cost.expert_param_count)]
-    t = config.tp
-    qkv, proj = shape.h * shape.qkv_out_width / t, shape.h * shape.h / t
-    mlp = [shape.h * shape.f / t] * (shape.n_mlp * shape.dense_mlps)
-    rest = max(cost.grad_param_count + cost.expert_param_count - qkv - proj - sum(mlp), 0.0)
-    return [qkv, proj + rest, *mlp] if shape.num_experts == 0 else [qkv, proj, *mlp, rest]
-
-
-def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
-    """A block's parameters besides its weight matrices (elements on this device), the ones DeepSpeed
-    keeps persistent below stage3_param_persistence_threshold: a GPT block's two LayerNorms (weight and
-    bias, h each), the QKV and first MLP biases (column-parallel: split over tp) and the projection and
-    second MLP biases (row-parallel: h each), when those sum to the block's remaining parameters (Megatron
-    GPT, Shoeybi et al. 2019); otherwise the remainder as norm-sized (h) parameters (a Llama block: two
-    RMSNorm weights). Other layers: none."""
-    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-    if shape is None or layer.role is not LayerRole.BLOCK:
-        return []
-    t, h = config.tp, float(shape.h)
-    weights = h * (shape.qkv_out_width + shape.h) / t + h * shape.f / t * shape.n_mlp * shape.dense_mlps
-    rest = max(cost.grad_param_count + cost.expert_param_count - weights, 0.0)
-    gpt = [h, h, shape.qkv_out_width / t, h, h, h, shape.f / t, h]
-    if shape.num_experts == 0 and abs(sum(gpt) - rest) <= 0.01 * rest:
-        return gpt
-    count = round(rest / h)
-    return [rest / count] * count if count else []
-
-
-def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, engine: Engine,
-                   groups: DpGroups) -> None:
-    """Replace the rank's per-microbatch forward and backward by DeepSpeed stage 3's timeline
-    (cost/deepspeed.py): per-parameter all-gathers over the data-parallel group (plus, with
-    zero3_gather_copy_out, the zero fill of the output, waited for by the device synchronize before the
-    gather, then torch's copy of the gathered list into each of the n outputs: two passes over the
-    parameter on the communication stream and deepspeed.GATHER_OPS_PER_RANK x n ops at op_overhead_s on
-    the host before the compute, the VIEW_OP share before the gather is enqueued and the CXX_COPY_OP share
-    while it runs, past deepspeed.PENDING_LAUNCHES queued copies after it), bucketed gradient reductions of
-    zero3_grad_reduction, one sub-module of prefetch; with zero3_regather_persistent, the per-step
-    re-gather of the persistent parameters (deepspeed.persistent_regather) after the optimizer."""
-    w, _, _ = state_bytes_per_param(cluster.dtype, engine)
-    wire = grad_wire_bytes(cluster.dtype, engine)
-    n = groups.dense.size
-    reduce_fn = comm.all_reduce_s if engine.zero3_grad_reduction == "all_reduce" else comm.reduce_scatter_s
-
-    def gather_s(numel: float) -> float:
-        t = comm.all_gather_s(numel * w, groups.dense, cluster)
-        if engine.zero3_gather_copy_out:  # the n copies out of the flat result read and write it once
-            t += memory_time_s(cluster.device, 2.0 * numel * w)
-        return t
-
-    def fill_s(numel: float) -> float:
-        # partition_parameters.py _allgather_param: torch.zeros(aligned_param_size) on the comm stream, then
-        # torch.cuda.synchronize() before the all_gather: the fill is waited for, not overlapped
-        return memory_time_s(cluster.device, numel * w) if engine.zero3_gather_copy_out else 0.0
-
-    op = cluster.device.op_overhead_s
-    issue = ds.VIEW_OP * n * op if engine.zero3_gather_copy_out else 0.0
-    launch = ds.CXX_COPY_OP * n * op if engine.zero3_gather_copy_out else 0.0
-    blocked = ds.CXX_COPY_OP * max(n - ds.PENDING_LAUNCHES, 0) * op if engine.zero3_gather_copy_out else 0.0
-
-    def reduce_s(numel: float, passes: float = 3.0) -> float:
-        # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
-        # flatten the bucket, divide by n, reduce, copy back into the gradients: three read + write passes
-        fallback = engine.zero3_grad_reduction == "all_reduce"
-        copies = memory_time_s(cluster.device, passes * 2.0 * numel * wire) if fallback else 0.0
-        return reduce_fn(numel * wire, groups.dense, cluster) + copies
-
-    def single_s(numel: float) -> float:
-        # one gradient: util_ops.flatten -> torch::utils::flatten_dense_tensors returns a view of a single
-        # tensor (torch/csrc/utils/tensor_flatten.h), the copy back onto that same memory still runs (copy_
-        # short-circuits views of the same data only from pytorch/pytorch PR #88884, 2022-11): two passes
-        return reduce_s(numel, 2.0)
-
-    full = config.recompute.value == "full"
-    layers = []
-    for c, layer in zip(rank.costs, rank.layers):
-        numels = layer_numels(layer, c, graph, config)
-        small = layer_small_numels(layer, c, graph, config) if engine.zero3_small_grad_hooks else []
-        rank.max_param_numel = max(rank.max_param_numel, max(numels))
-        # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
-        norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
-        layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
-                                       - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full,
-                                       small))
-    fwd, bwd, hidden = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
-                                       issue_s=issue, fill_s=fill_s, launch_s=launch,
-                                       blocked_s=blocked, single_s=single_s)
-    base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
-    base_b = sum(c.time_s for c in rank.costs) - base_f
-    exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)
-    penalty = hidden_penalty_s(hidden, cluster, contention_fraction(cluster, groups.dense))
-    rank.fwd += fwd - base_f
-    rank.bwd += bwd - base_b + penalty
-    rank.dp += exposed + penalty
-    rank.param_gather += deepspeed_step_s(rank, graph, cluster, config, engine, groups)
-
-
-def deepspeed_step_s(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, engine: Engine,
-                     groups: DpGroups) -> float:
-    """DeepSpeed stage 3's once-per-step host work around the optimizer on this rank: with
-    zero3_serial_grad_checks the overflow check and gradient norm one parameter tensor at a time
-    (deepspeed.serial_grad_checks over the rank's weight matrices and small parameters, as layer_numels and
-    layer_small_numels count them) and their two one-element all-reduces; with zero3_regather_persistent
-    the re-gather of the persistent parameters (deepspeed.persistent_regather)."""
-    w, _, _ = state_bytes_per_param(cluster.dtype, engine)
-    n, op, total = groups.dense.size, cluster.device.op_overhead_s, 0.0
-    pairs = list(zip(rank.costs, rank.layers))
-    if engine.zero3_serial_grad_checks:  # stage3.py step, before the optimizer
-        count = sum(1 for c, x in pairs for k in (*layer_numels(x, c, graph, config),
-                                                   *layer_small_numels(x, c, graph, config)) if k > 0)
-        ops, messages = ds.serial_grad_checks(count)
-        total += ops * op + sum(comm.all_reduce_s(b, groups.dense, cluster) for b in messages)
-    if engine.zero3_regather_persistent:  # after the optimizer (stage3.py _post_step)
-        small = [x for c, layer in pairs for x in layer_small_numels(layer, c, graph, config)
-                 if x < engine.zero3_persistence_numel]
-        ops, elements = ds.persistent_regather(small, n)
-        total += ops * op + comm.all_gather_s(elements * w, groups.dense, cluster)
-    return total

@@ -18,10 +18,10 @@ from autoplan.cost.dataparallel import (
     DpGroups,
     Rank,
     add_layers,
-    deepspeed_rank,
     dp_groups,
     rank_dp_times,
 )
+from autoplan.cost.deepspeedrank import deepspeed_rank
 from autoplan.cost.gradpasses import grad_wire_bytes
 from autoplan.cost.hetero import default_split, rank_clusters
 from autoplan.cost.kernels import memory_time_s

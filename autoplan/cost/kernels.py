@@ -176,7 +176,7 @@ def unfused_attention_s(device: DeviceSpec, peak_flops: float, *, batch_heads: f
     to memory), then O = P V ([s_q x s_k] @ [s_k x d], the probabilities read back), batch_heads of each
     in one strided-batched call; the whole square, masked or not. Backward: dP = dO V^T and dV = P^T dO,
     then dQ = dS K and dK = dS^T Q: two GEMMs per forward GEMM. The softmax and dropout passes over the
-    scores are elementwise traffic (compute.block_elementwise_bytes)."""
+    scores are elementwise traffic (elementwise.block_elementwise_bytes)."""
     g = {"count": 1.0, "batch": batch_heads}
     qk = gemm_pass_s(device, peak_flops, s_q, head_dim, s_k, dtype_bytes=dtype_bytes, **g)
     pv = gemm_pass_s(device, peak_flops, s_q, s_k, head_dim, dtype_bytes=dtype_bytes, **g)

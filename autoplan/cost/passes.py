@@ -1,5 +1,5 @@
 """Memory-bound passes some engines' code adds around a block's GEMMs and attention core, beyond the
-fused elementwise kernels of compute.block_elementwise_bytes: separate bias adds, bias-gradient
+fused elementwise kernels of elementwise.block_elementwise_bytes: separate bias adds, bias-gradient
 reductions, the copies of Megatron's [s, b, np, hn] attention layout, the repeated K / V of grouped-query
 attention and an RMSNorm run eagerly in fp32. Each is switched on by its own
 Engine field (sources in engines/*.yaml) and priced as bytes read + written at streaming bandwidth
@@ -83,7 +83,7 @@ def extra_pass_bytes(shape: BlockShape | None, tokens: float, tp: int, sp: bool,
       three input gradients (torch/csrc/autograd/input_buffer.cpp InputBuffer::add: one add per extra
       gradient), two adds of [T, h] each reading two and writing one: 2 x 3 T h d;
     - rmsnorm 'eager_fp32' (a Llama-style block, without fused_elementwise): both norms' kernels
-      (fp32_rmsnorm_bytes) on 2 T_h h elements, whole, in norm_fwd / norm_bwd (compute.block_elementwise_bytes
+      (fp32_rmsnorm_bytes) on 2 T_h h elements, whole, in norm_fwd / norm_bwd (elementwise.block_elementwise_bytes
       then counts no norm traffic of its own)."""
     if shape is None:
         return PassBytes()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-# A Megatron GPT block's small parameters in the order cost.dataparallel.layer_small_numels lists them
+# A Megatron GPT block's small parameters in the order cost.deepspeedrank.layer_small_numels lists them
 # (forward order): LayerNorm 1 weight and bias, the QKV bias, the projection bias, LayerNorm 2 weight and
 # bias, the first and the second MLP bias.
 GPT_SMALL = ("ln1.weight", "ln1.bias", "qkv.bias", "proj.bias", "ln2.weight", "ln2.bias", "fc1.bias", "fc2.bias")

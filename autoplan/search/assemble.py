@@ -6,7 +6,8 @@ working set and the in-flight microbatches. Memory is the exact model's sum term
 the two-stream simulation of identical layers by its closed form (overlap.overlapped_s with L equal layers
 of compute c, a prefetched collective g and a trailing one q: g + c + (L - 1) max(c, g + q) + q), the L
 units being a rank's blocks where FSDP2's root group holds its other layers (cost.fsdpunits.root_terms,
-whose collectives come whole: search/rootunit.py).
+whose collectives come whole: search/rootunit.py). The collectives are priced per candidate by
+search/collectives.py, DeepSpeed's stage 3 by search/deepspeed_terms.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
-from autoplan.cost import deepspeed as ds
 from autoplan.cost.estimate import adam_bytes_per_param, fresh_grad_share
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.gradpasses import (
@@ -34,23 +34,22 @@ from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.reserve import runtime_buffer_bytes
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import zero_layout
-from autoplan.plan.types import ParallelConfig, Recompute
+from autoplan.plan.types import ParallelConfig
 from autoplan.search.chunks import chunk_terms
-from autoplan.search.exposed import exposed, uniform_exposed
-from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
-from autoplan.search.pricing import (
-    MESH_COLS,
-    Mesh,
-    Pricing,
-    config_of,
-    int_codes,
-    per_mesh,
-    price_classes,
-    price_rows,
+from autoplan.search.collectives import (
+    EXPERT_DP,
+    _bucket_count,
+    _bucketed_reduce,
+    collective_s,
+    expert_dp_degree,
+    mesh_sizes,
 )
+from autoplan.search.deepspeed_terms import _deepspeed, _deepspeed_step
+from autoplan.search.exposed import exposed
+from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
+from autoplan.search.pricing import Mesh, Pricing, int_codes, per_mesh
 from autoplan.search.rootunit import quick_root, root_seconds
 from autoplan.search.schedules import Shared, by_schedule, shared_pipeline
-from autoplan.search.space import RECOMPUTES
 
 _LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "reduce_every_microbatch",
                   "weight_gathers_per_microbatch", "weight_gathers_per_step")
@@ -76,51 +75,6 @@ def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defer
     lay = zero_layout(ParallelConfig(zero=zero, pp=pp, dp=dp, ep=ep, cp=cp), 1, zero3=zero3,
                       pipelined_fsdp_defers_sync=defers, zero1_all_reduce=all_reduce)
     return tuple(float(getattr(lay, f)) for f in _LAYOUT_FIELDS) + (float(lay.grad_reduction == "reduce_scatter"),)
-
-
-_KINDS = {"ag": comm.all_gather_s, "rs": comm.reduce_scatter_s, "ar": comm.all_reduce_s}
-# the experts' data-parallel group (cost.experts.expert_dp_placement: dp * cp unfolded, edp when folded)
-EXPERT_DP = ("edp",)
-
-
-def mesh_sizes(c: dict[str, np.ndarray], pricing: Pricing | None = None) -> Mesh:
-    """[n, 7] mesh degrees per candidate (MESH_AXIS_ORDER's five, then the folded expert degrees), with what
-    pricing their collectives shares (search/pricing.py)."""
-    return Mesh.of(np.stack([c[k] for k in MESH_COLS], axis=1), pricing)
-
-
-def expert_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
-    """ParallelConfig.expert_dp per candidate: dp * ep * cp * tp / (expert_tp * expert_ep)."""
-    etp = np.where(c["etp"] > 0, c["etp"], c["tp"])
-    eep = np.where(c["eep"] > 0, c["eep"], c["ep"])
-    return c["dp"] * c["ep"] * c["cp"] * c["tp"] // (etp * eep)
-
-
-def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarray,
-                 cluster: ClusterSpec, per_class: bool = False) -> np.ndarray:
-    """cost.comm's time of `kind` ('ag', 'rs', 'ar') for each candidate's group over `axes` (the mesh from
-    mesh_sizes; EXPERT_DP for the experts' data-parallel group) and message size (an array [n] or [n, p];
-    with `per_class`, one row per class of the mesh, and so the result); each distinct (group placement,
-    bytes) pair is priced once (search/pricing.py)."""
-    mesh = sizes if isinstance(sizes, Mesh) else Mesh.of(sizes)
-    per_node = cluster.devices_per_node
-    if axes == EXPERT_DP:
-        def place(row: tuple[int, ...]) -> Any:
-            return expert_dp_placement(config_of(row), per_node)
-    else:
-        def place(row: tuple[int, ...]) -> Any:
-            return comm.group_placement(config_of(row), axes, per_node)
-    fn = _KINDS[kind]
-    price = price_classes if per_class else price_rows
-    return price(mesh, np.round(np.asarray(nbytes, dtype=float)), place, lambda b, group: fn(b, group, cluster),
-                 (axes, kind))
-
-
-def _bucket_count(params: np.ndarray, layers: np.ndarray, bucket: int) -> np.ndarray:
-    """How many collectives a rank's gradients take: one per layer, or per bucket of `bucket` elements."""
-    if not bucket:
-        return layers
-    return np.maximum(np.ceil(params / bucket), 1.0)
 
 
 def microbatches(c: dict[str, np.ndarray], global_batch: int) -> np.ndarray:
@@ -246,7 +200,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
                        int(extra.get("last_rank", pp - 1)),
                        None if root is None else (first, fwd_u, bwd_u + dp_b, lead), chunked, step_gather),
             _optimizer(f, c, lay, cluster, engine)]
-    if "ds_layer_ops" in extra:  # cost.dataparallel.deepspeed_step_s, once per step
+    if "ds_layer_ops" in extra:  # cost.deepspeedrank.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
     states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
     return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve,
@@ -266,85 +220,6 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
     total = dense_s + expert_s
     mixed = (fd * dense_s + fe * expert_s) / np.where(total > 0, total, 1.0)
     return np.where(expert_s > 0, mixed, fd + 0.0 * total), fd
-
-
-def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster, engine, bucket=None) -> np.ndarray:
-    """Reduction time of a rank's gradients: per layer, or in the engine's buckets (dp_bucket_numel, or
-    `bucket` elements: np.inf for one collective of them all)."""
-    bucket = engine.dp_bucket_numel if bucket is None else bucket
-    if not bucket:
-        return per_layer_total
-    buckets = _bucket_count(params, layers, bucket)
-    one = np.minimum(params / buckets, bucket) * wire
-    rs = collective_s("rs", sizes, ("dp", "ep", "cp"), one, cluster)
-    ar = collective_s("ar", sizes, ("dp", "ep", "cp"), one, cluster)
-    return np.where(lay["reduce_scatter"][:, None] > 0, rs, ar) * buckets
-
-
-def _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine) -> np.ndarray:
-    """DeepSpeed stage 3's once-per-step host work (surrogate._deepspeed_step_terms) on the most loaded
-    rank: its host ops, the persistent re-gather's all-gather and, with zero3_serial_grad_checks, the two
-    one-element all-reduces (cost.deepspeed.GRAD_CHECK_MESSAGES)."""
-    ops = extra["ds_fixed_ops"][:, None] + extra["ds_layer_ops"][:, None] * layers
-    gather = collective_s("ag", sizes, dense_axes, extra["ds_layer_elements"][:, None] * layers * w, cluster)
-    out = (ops * cluster.device.op_overhead_s + gather).max(axis=1)
-    if engine.zero3_serial_grad_checks:
-        for nbytes in ds.GRAD_CHECK_MESSAGES:
-            out = out + np.where(extra["ds_fixed_ops"] > 0, collective_s(
-                "ar", sizes, dense_axes, np.full(len(out), nbytes), cluster), 0.0)
-    return out
-
-
-def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac, flushed=0.0):
-    """DeepSpeed stage 3 (cost/deepspeed.py) for equal layers: each layer's parameters gathered in forward,
-    again for a full recompute, again in backward, the buckets reduced as they fill; the host launches of
-    the copy-out delay the compute. With prefetch (param_gather_overlap and zero3_trace_aligned) one sub-
-    module ahead; without, each gather is waited for and each bucket's reduction hides behind the next
-    backward sub-module's compute (_deepspeed_serial), but for the share `flushed` that a small gradient's hook
-    flushes just before a fetch (cost.zero3_grads.fetch_wait_share), reduced beside nothing."""
-    if not mask.any():
-        return dp_f, dp_b
-    dense = f["dense_params"] + f["expert_params"]
-    modules = 4.0 * layers  # a block's weight matrices
-    gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
-    one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster)
-    n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
-    op = cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0
-    before, after = ds.VIEW_OP * n * op, ds.CXX_COPY_OP * n * op
-    blocked = ds.CXX_COPY_OP * np.maximum(n - ds.PENDING_LAUNCHES, 0.0) * op
-    red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
-    buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
-    red = collective_s(red_fn, sizes, ("dp", "ep", "cp"), dense / buckets * wire, cluster) * buckets
-    # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
-    full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
-    share = np.where(full, 0.25, 1.0 / 3.0)  # forward : recompute : backward host = 1 : 1 : 2 (block_modules)
-    host_f = f["host"] * share if ds.sync_adds_host(engine) else 0.0 * one
-    host_b = f["host"] - host_f if ds.sync_adds_host(engine) else 0.0 * one
-    if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
-        exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
-                                                 np.maximum(after, one + blocked), red, buckets, modules, gathers,
-                                                 flushed)
-        exp_f, exp_b = exp_f + host_f, exp_b + host_b
-        return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + frac * hidden, dp_b)
-    comm_f, comm_b = one * modules, one * modules * (gathers - 1.0) + red
-    exp_f = uniform_exposed(f["fwd"] + host_f, comm_f, None, modules) + (before + after) * modules + host_f
-    exp_b = (uniform_exposed(f["time"] - f["fwd"] + host_b, comm_b, None, modules)
-             + (before + after) * modules * (gathers - 1) + host_b)
-    pen = frac * np.maximum(comm_f + comm_b - exp_f - exp_b + host_f + host_b, 0.0)
-    return np.where(mask[:, None], exp_f, dp_f), np.where(mask[:, None], exp_b + pen, dp_b)
-
-
-def _deepspeed_serial(bwd, one, before, after, red, buckets, modules, gathers, share=0.0):
-    """(forward, backward exposed, hidden) seconds of stage 3 without prefetch, for equal sub-modules: every
-    gather waited for (the views built before it, the copy-out launches while it runs), each bucket's
-    reduction beside the next backward sub-module's compute (its share of `bwd`), but for `share` of them
-    (flushed before a fetch: exposed), the last after it."""
-    gather = before + np.maximum(one, after)  # after: the launches (those past the stream's queue follow the gather)
-    per_red = red / buckets
-    beside = bwd / (modules * (gathers - 1.0))
-    hidden = (1.0 - share) * (buckets - 1.0) * np.minimum(per_red, beside)
-    exposed_red = (buckets - 1.0) * ((1.0 - share) * np.maximum(per_red - beside, 0.0) + share * per_red) + per_red
-    return gather * modules, gather * modules * (gathers - 1.0) + exposed_red, hidden
 
 
 def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engine, frac, sizes, dense, expert, wire,

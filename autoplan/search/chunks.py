@@ -11,16 +11,15 @@ import numpy as np
 
 from autoplan.cost.estimate import fresh_grad_share
 from autoplan.plan.engine import Engine
+from autoplan.search.collectives import EXPERT_DP, _bucketed_reduce, collective_s
 from autoplan.search.exposed import exposed
 
 
 def chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, w, cluster, engine, m, frac, pp, v):
     """cost.chunksync's per-chunk terms where the engine asks: (ranks, tail) of the reduction launched chunk by
     chunk (chunk_sync_tail), (rows, exposed) of the chunks' weight all-gathers in turn (chunk_gather_s: the
-    distributed optimizer's, ZeRO-1 rows); None where it does not. Prices through assemble's collective_s and _bucketed_reduce (imported here: assemble
-    imports this module)."""
-    from autoplan.search.assemble import EXPERT_DP, _bucketed_reduce, collective_s
-
+    distributed optimizer's, ZeRO-1 rows); None where it does not. Prices through search/collectives.py's
+    collective_s and _bucketed_reduce."""
     chunked = gathered = None
     if engine.grad_sync_per_chunk and engine.dp_comm_overlap and pp > 1:
         def bucketed(n: np.ndarray, bucket: float | None = None) -> np.ndarray:

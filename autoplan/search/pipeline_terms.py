@@ -48,7 +48,7 @@ def collective_p2p(out_bytes: np.ndarray, sizes: Mesh, cluster: ClusterSpec) -> 
 
 
 def _tp_gather(whole: np.ndarray, sizes: Mesh, cluster: ClusterSpec) -> np.ndarray:
-    """comm.all_gather_s of `whole` bytes over each candidate's tp group (assemble.collective_s's prices)."""
+    """comm.all_gather_s of `whole` bytes over each candidate's tp group (collectives.collective_s's prices)."""
     def place(row: tuple[int, ...]) -> Any:
         return comm.group_placement(config_of(row), ("tp",), cluster.devices_per_node)
     return price_rows(sizes, np.round(whole), place, lambda b, group: comm.all_gather_s(b, group, cluster),

@@ -5,7 +5,7 @@ of those are the same question many times over: the message sizes of a candidate
 row (search/surrogate.py), which it shares with every candidate of the same (tp, cp, ep, sp, microbatch,
 recompute, etp, eep) and pipeline shape, and only the ZeRO stage and the schedule tell them apart. So:
 
-- `Mesh` (what assemble.mesh_sizes returns) holds the candidates' mesh degrees and a class per candidate
+- `Mesh` (what collectives.mesh_sizes returns) holds the candidates' mesh degrees and a class per candidate
   (the layer-table key, else the mesh itself): `price_rows` prices one representative row of each class and
   checks, element by element, that every other row of the class asks the same question; rows that do not
   are priced on their own. The answer is the same as pricing every row (a test): the check is exact.

@@ -21,6 +21,7 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
 from autoplan.search.assemble import assemble_shared, microbatches
+from autoplan.search.deepspeed_terms import _deepspeed_step_terms, max_param_numel
 from autoplan.search.layercache import layer_costs
 from autoplan.search.pricing import Pricing, int_codes
 from autoplan.search.rootunit import ROOT_PER_KEY, rank_roots
@@ -317,45 +318,6 @@ def _per_rank(per_stage: np.ndarray, placement: np.ndarray, ranks: tuple[int, ..
     return out
 
 
-def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, np.ndarray], idx: np.ndarray,
-                          cost: Any, engine: Engine) -> dict[str, np.ndarray]:
-    """cost.dataparallel.deepspeed_step_s per candidate, as host ops once per step (ds_fixed_ops) and per
-    layer (ds_layer_ops) and the elements the persistent re-gather gathers per layer (ds_layer_elements),
-    from one block (cost.dataparallel.layer_numels, layer_small_numels): with zero3_serial_grad_checks
-    cost.deepspeed.serial_grad_checks over its parameter tensors, with zero3_regather_persistent
-    cost.deepspeed.persistent_regather over its small parameters (its list gather's
-    regather_list_ops once per step); with zero3_small_grad_hooks the share of the gradient elements whose
-    bucket is flushed just before a fetch (ds_fetch_wait_share: cost.zero3_grads.fetch_wait_share). Each
-    distinct (tp, data-parallel size) priced once."""
-    from autoplan.cost import deepspeed as ds
-    from autoplan.cost.dataparallel import layer_numels, layer_small_numels
-    from autoplan.cost.zero3_grads import fetch_wait_share
-
-    block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
-    out = {k: np.zeros(len(idx)) for k in ("ds_fixed_ops", "ds_layer_ops", "ds_layer_elements", "ds_fetch_wait_share")}
-    if block is None:
-        return out
-    tp, n = c["tp"][idx], (c["dp"] * c["ep"] * c["cp"])[idx]
-    for t, size in set(zip(tp.tolist(), n.tolist())):
-        config, rows = ParallelConfig(tp=t), (tp == t) & (n == size)
-        layer_cost = cost.estimate_layer(block, cluster, config, "none", seq_len=graph.seq_len)
-        small = layer_small_numels(block, layer_cost, graph, config)
-        if engine.zero3_small_grad_hooks:
-            out["ds_fetch_wait_share"][rows] = fetch_wait_share(layer_numels(block, layer_cost, graph, config), small,
-                                                                engine.zero3_reduce_bucket_numel)
-        if engine.zero3_serial_grad_checks and size > 1:
-            tensors = sum(1 for k in (*layer_numels(block, layer_cost, graph, config), *small) if k > 0)
-            out["ds_layer_ops"][rows] += ds.GRAD_CHECK_OPS_PER_PARAM * tensors
-            out["ds_fixed_ops"][rows] += ds.GRAD_CHECK_READS
-        if engine.zero3_regather_persistent and size > 1:
-            ops, elements = ds.persistent_regather([x for x in small if x < engine.zero3_persistence_numel], size)
-            fixed = ds.regather_list_ops(size) if ops else 0.0
-            out["ds_layer_ops"][rows] += ops - fixed
-            out["ds_fixed_ops"][rows] += fixed
-            out["ds_layer_elements"][rows] += elements
-    return out
-
-
 def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
     """Point-to-point transfers per microbatch on each rank: one per cut between stages on different
     ranks, counted on both sides (the sender's forward, the receiver's backward), as estimate_config."""
@@ -382,21 +344,3 @@ def inflight(schedule: np.ndarray, p: int, v: int, m: np.ndarray) -> np.ndarray:
     """Microbatches of activations held by each rank [n, p]: cost.pipeline.in_flight_microbatches in
     numpy (search.assemble.inflight)."""
     return _inflight(schedule, p, v, m)
-
-
-def max_param_numel(graph: Any, tp: np.ndarray) -> np.ndarray:
-    """The largest single weight matrix a device holds (cost.dataparallel.layer_numels' rule: a block's
-    QKV, projection or MLP matmul after tp; any other layer is one parameter, vocab-parallel over tp)."""
-    from autoplan.cost.compute import block_shape
-
-    out = np.zeros(len(tp))
-    for t in np.unique(tp).tolist():
-        best = 0.0
-        for layer in graph.layers:
-            shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-            if shape is not None and layer.role is LayerRole.BLOCK:
-                best = max(best, shape.h * max(shape.qkv_out_width, shape.h, shape.f) / t)
-            else:
-                best = max(best, layer.num_params / (t if layer.role in (LayerRole.EMBEDDING, LayerRole.HEAD) else 1))
-        out[tp == t] = best
-    return out

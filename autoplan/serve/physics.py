@@ -22,7 +22,7 @@ average) through every block of a tp-sharded instance. Per block and device:
   csrc/attention paged_attention_v1/v2 dot products); GQA groups reuse each K/V element a / g times,
   so CUDA-core kernels become compute-bound at large groups. Prefill computes 4 C ctx a d / tp FLOPs (QK^T and PV, 2 FLOPs
   per multiply-add; causal: a token attends to ctx ~ prefix + chunk / 2 keys) at attention_efficiency.
-- Norms and residual adds: 10 h elements read or written per token (cost.compute.block_elementwise_bytes).
+- Norms and residual adds: 10 h elements read or written per token (cost.elementwise.block_elementwise_bytes).
 - Tensor parallelism: two all-reduces of T x h activations per block (row-parallel output projection
   and down projection, Shoeybi et al. 2019), one for the vocab-parallel embedding; each pays its
   per-message latency: the engine's measured custom all-reduce for small messages, else the

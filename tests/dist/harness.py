@@ -7,12 +7,13 @@ neither hangs nor hides behind another rank's "Connection closed by peer".
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -171,3 +172,42 @@ def assert_matches_reference(run: dict[str, Any], ref: dict[str, Any], *, loss_t
     for name, value in ref["params"].items():
         torch.testing.assert_close(run["params"][name], value, rtol=param_tol, atol=param_tol,
                                    msg=lambda m, n=name: f"{n}: {m}")
+
+
+@contextlib.contextmanager
+def plan_collectives(step: list[int], names: tuple[str, ...],
+                     record: Callable[[str, tuple, dict], None]) -> Iterator[None]:
+    """While the block runs, hand record(name, args, kwargs) every call of torch.distributed's `names` that
+    step[0] == 1 makes over a process group (the loss's all-reduce has none), before it runs, but those of
+    the step's gradient-norm check (execute.train.global_grad_norm: execute.gradnorm), which are not the
+    plan's ZeRO traffic; the originals are put back after."""
+    import autoplan.execute.train as train_module
+
+    originals = {n: getattr(dist, n) for n in names}
+    in_norm = [False]
+
+    def recording(name: str) -> Callable[..., Any]:
+        def call(*args, **kwargs):
+            if step[0] == 1 and kwargs.get("group") is not None and not in_norm[0]:
+                record(name, args, kwargs)
+            return originals[name](*args, **kwargs)
+        return call
+
+    norm_fn = train_module.global_grad_norm
+
+    def norm_unrecorded(*args, **kwargs):
+        in_norm[0] = True
+        try:
+            return norm_fn(*args, **kwargs)
+        finally:
+            in_norm[0] = False
+
+    for name in names:
+        setattr(dist, name, recording(name))
+    train_module.global_grad_norm = norm_unrecorded
+    try:
+        yield
+    finally:
+        train_module.global_grad_norm = norm_fn
+        for name, fn in originals.items():
+            setattr(dist, name, fn)

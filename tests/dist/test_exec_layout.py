@@ -17,8 +17,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
-from harness import run_ranks
+from harness import plan_collectives, run_ranks
 
 from autoplan.models import PRESETS
 from autoplan.plan.layout import default_stages, rank_stages, zero_layout
@@ -126,27 +125,6 @@ def _observe_zero(rank: int, world_size: int, config: ParallelConfig, global_bat
 
     step = [0]
     calls: collections.Counter = collections.Counter()
-    originals = {n: getattr(dist, n) for n in ("all_gather_single", "reduce_scatter_single", "all_reduce")}
-
-    in_norm = [False]  # the step's gradient-norm check (execute.gradnorm) is not the plan's ZeRO traffic
-
-    def counting(name):
-        def call(*args, **kwargs):
-            if step[0] == 1 and kwargs.get("group") is not None and not in_norm[0]:  # the loss's has no group
-                calls[name] += 1
-            return originals[name](*args, **kwargs)
-        return call
-
-    import autoplan.execute.train as train_module
-
-    norm_fn = train_module.global_grad_norm
-
-    def norm_uncounted(*args, **kwargs):
-        in_norm[0] = True
-        try:
-            return norm_fn(*args, **kwargs)
-        finally:
-            in_norm[0] = False
 
     forwards: list[tuple[str, str]] = []
     first_block: list[torch.nn.Module] = []
@@ -167,18 +145,14 @@ def _observe_zero(rank: int, world_size: int, config: ParallelConfig, global_bat
             at_step.update(param=_describe(param), grad=_describe(param.grad),
                            states=sorted({_describe(v) for v in optimizer.state[param].values() if v.ndim}))
 
-    for name in originals:
-        setattr(dist, name, counting(name))
-    train_module.global_grad_norm = norm_uncounted
     hooks = [torch.nn.modules.module.register_module_forward_pre_hook(before_forward),
              importlib.import_module("torch.optim.optimizer").register_optimizer_step_post_hook(after_optimizer_step)]
     try:
-        result = train(MODEL, config, _options(global_batch, steps=2), device=torch.device("cpu"),
-                       on_step=lambda s: step.__setitem__(0, s))
+        with plan_collectives(step, ("all_gather_single", "reduce_scatter_single", "all_reduce"),
+                              lambda name, args, kwargs: calls.update([name])):
+            result = train(MODEL, config, _options(global_batch, steps=2), device=torch.device("cpu"),
+                           on_step=lambda s: step.__setitem__(0, s))
     finally:
-        train_module.global_grad_norm = norm_fn
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
         for hook in hooks:
             hook.remove()
     return {"calls": dict(calls), "forwards": forwards, "at_step": at_step, "units": _fsdp_units(result.parts)}

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from harness import run_ranks
+from harness import plan_collectives, run_ranks
 
 from autoplan.plan.types import ParallelConfig
 
@@ -34,43 +33,19 @@ def _own_numel(module: torch.nn.Module) -> int:
 
 
 def _observe(rank: int, world_size: int, config: ParallelConfig) -> dict:
-    import autoplan.execute.train as train_module
     from autoplan.execute.train import TrainOptions, train
 
     step, calls = [0], []
-    names = ("all_gather_single", "reduce_scatter_single", "all_reduce")
-    originals = {n: getattr(dist, n) for n in names}
-    in_norm = [False]  # the step's gradient-norm check (execute.gradnorm) is not the plan's ZeRO traffic
 
-    def recording(name):
-        def call(*args, **kwargs):
-            if step[0] == 1 and kwargs.get("group") is not None and not in_norm[0]:
-                data = {"all_gather_single": lambda: args[1] if len(args) > 1 else kwargs["input_tensor"],
-                        "reduce_scatter_single": lambda: kwargs["input"] if "input" in kwargs else args[1],
-                        "all_reduce": lambda: args[0] if args else kwargs["tensor"]}[name]()
-                calls.append((name, data.numel()))
-            return originals[name](*args, **kwargs)
-        return call
+    def record(name, args, kwargs):
+        data = {"all_gather_single": lambda: args[1] if len(args) > 1 else kwargs["input_tensor"],
+                "reduce_scatter_single": lambda: kwargs["input"] if "input" in kwargs else args[1],
+                "all_reduce": lambda: args[0] if args else kwargs["tensor"]}[name]()
+        calls.append((name, data.numel()))
 
-    norm_fn = train_module.global_grad_norm
-
-    def norm_unrecorded(*args, **kwargs):
-        in_norm[0] = True
-        try:
-            return norm_fn(*args, **kwargs)
-        finally:
-            in_norm[0] = False
-
-    for name in names:
-        setattr(dist, name, recording(name))
-    train_module.global_grad_norm = norm_unrecorded
-    try:
+    with plan_collectives(step, ("all_gather_single", "reduce_scatter_single", "all_reduce"), record):
         result = train(MODEL, config, TrainOptions(steps=2, global_batch=2, seq_len=SEQ),
                        device=torch.device("cpu"), on_step=lambda s: step.__setitem__(0, s))
-    finally:
-        train_module.global_grad_norm = norm_fn
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
     model = result.parts[0]
     return {"calls": calls, "root": _own_numel(model), "blocks": [_own_numel(b) for b in model.layers.values()]}
 

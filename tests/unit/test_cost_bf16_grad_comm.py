@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
+from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact, quick_and_exact_change
 
 from autoplan.cost import estimate_config
 from autoplan.cost.comm import all_reduce_s, group_placement
@@ -95,10 +95,7 @@ def test_an_fp16_plan_is_untouched() -> None:
 @pytest.mark.parametrize("bucket", [500_000_000, 1000])
 def test_the_quick_estimate_moves_as_the_exact_model(bucket: int) -> None:
     on, off = (dataclasses.replace(e, dp_bucket_numel=bucket) for e in (SHIPPED, OFF))
-    cluster = _cluster("bf16")
-    space = enumerate_space(GRAPH, cluster, SearchOptions(global_batch=16))
-    rows = [i for i in range(len(space)) if space.config(i).dp > 1 and space.config(i).zero <= 1][:6]
-    assert rows
-    (q_on, e_on), (q_off, e_off) = (quick_and_exact(GRAPH, cluster, space, rows, 16, e) for e in (on, off))
-    assert np.all(e_on != e_off)
-    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6, atol=1e-12)
+    quick, exact = quick_and_exact_change(GRAPH, _cluster("bf16"), on, off,
+                                          lambda config: config.dp > 1 and config.zero <= 1, count=6)
+    assert np.all(exact != 0)
+    np.testing.assert_allclose(quick, exact, rtol=1e-6, atol=1e-12)

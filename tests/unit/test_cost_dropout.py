@@ -54,7 +54,7 @@ def test_fused_dropout_slows_the_attention_kernel_by_its_measured_factor(recompu
 def test_no_dropout_factor_without_dropout_or_with_unfused_scores() -> None:
     """A Llama-style (SwiGLU) block trains without dropout (BlockShape.dropout), so the field moves
     nothing; neither does it under unfused attention, whose dropout is score traffic and a stored mask
-    (compute.block_elementwise_bytes, memory.py) already there at p = 0."""
+    (elementwise.block_elementwise_bytes, memory.py) already there at p = 0."""
     gpt = gpt_graph(h=H, a=A, layers=1, seq=SEQ, unfused=False).blocks[0]
     swiglu = dataclasses.replace(gpt, fwd_matmul_flops=gpt.fwd_matmul_flops + 2.0 * B * SEQ * H * 4 * H)
     off, on = _pair(swiglu, Recompute.NONE)

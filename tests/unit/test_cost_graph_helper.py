@@ -79,6 +79,20 @@ def quick_and_exact(graph: LayerGraph, cluster: ClusterSpec, space, rows: list[i
     return quick, exact
 
 
+def quick_and_exact_change(graph: LayerGraph, cluster: ClusterSpec, on, off, keep, *, global_batch: int = 16,
+                           count: int = 4):
+    """(quick estimate's, exact model's) step-time change from engine `off` to engine `on` (quick_and_exact)
+    on the first `count` candidates of the search space for `global_batch` whose ParallelConfig `keep`
+    accepts; there must be one. For tests that the quick estimate moves as the exact model does."""
+    from autoplan.search.space import SearchOptions, enumerate_space
+
+    space = enumerate_space(graph, cluster, SearchOptions(global_batch=global_batch))
+    rows = [i for i in range(len(space)) if keep(space.config(i))][:count]
+    assert rows, "no candidate of the space passes keep"
+    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, cluster, space, rows, global_batch, e) for e in (on, off))
+    return q_on - q_off, e_on - e_off
+
+
 def unfused_attention_by_hand(seq: int, *, h: int = 1024, a: int = 16, b: int = 2, peak: float = 312e12,
                               bw: float = 2.0e12) -> tuple[float, float, float]:
     """Hand terms for Megatron's unfused attention core against FlashAttention on the ideal A100 of

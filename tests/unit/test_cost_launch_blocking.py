@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
+from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact_change
 
 from autoplan.cost import estimate_layer
 from autoplan.cost.compute import H2D_SYNC_COPY_S
@@ -96,15 +96,11 @@ def test_a_blocking_engine_file_with_overlapped_p2p_is_refused_in_one_line(tmp_p
 def test_the_quick_estimate_adds_what_the_exact_model_adds() -> None:
     """search/surrogate.py reads the same per-layer costs (estimate_layer under the engine): the step-time
     change from blocking launches agrees row by row."""
-    from autoplan.search.space import SearchOptions, enumerate_space
-
     graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096, unfused=True)
-    space = enumerate_space(graph, CLUSTER, SearchOptions(global_batch=16))
-    rows = [i for i in range(len(space)) if space.config(i).dp * space.config(i).tp * space.config(i).pp == 8][:6]
-    assert rows
-    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, CLUSTER, space, rows, 16, e) for e in (BLOCKING, ASYNC))
-    assert np.all(e_on - e_off > 0)
-    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
+    quick, exact = quick_and_exact_change(graph, CLUSTER, BLOCKING, ASYNC,
+                                          lambda config: config.dp * config.tp * config.pp == 8, count=6)
+    assert np.all(exact > 0)
+    np.testing.assert_allclose(quick, exact, rtol=1e-6)
 
 
 def test_zero1_all_reduce_doubles_the_gradient_reduction() -> None:
@@ -118,7 +114,6 @@ def test_zero1_all_reduce_doubles_the_gradient_reduction() -> None:
     and its passes are test_cost_bf16_grad_comm.py's.)"""
     from autoplan.cost import estimate_config
     from autoplan.cost.comm import all_reduce_s, group_placement, reduce_scatter_s
-    from autoplan.search.space import SearchOptions, enumerate_space
 
     graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096, unfused=True)
     config = ParallelConfig(dp=8, zero=1, microbatch=1)
@@ -131,12 +126,9 @@ def test_zero1_all_reduce_doubles_the_gradient_reduction() -> None:
     passes = 3 * 2 * 4.0 * grads / (CLUSTER.device.mem_bw_bytes_per_s * CLUSTER.device.mem_bw_efficiency)
     assert b.breakdown["dp_comm"] - a.breakdown["dp_comm"] == pytest.approx(one_ar - one_rs + passes, rel=1e-6)
     assert b.breakdown["optimizer"] == a.breakdown["optimizer"]
-    space = enumerate_space(graph, CLUSTER, SearchOptions(global_batch=16))
-    rows = [i for i in range(len(space)) if space.config(i).zero == 1 and space.config(i).dp == 8][:4]
-    assert rows
-    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, CLUSTER, space, rows, 16, e) for e in (ar, rs))
-    assert np.all(e_on - e_off > 0)
-    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
+    quick, exact = quick_and_exact_change(graph, CLUSTER, ar, rs, lambda config: config.zero == 1 and config.dp == 8)
+    assert np.all(exact > 0)
+    np.testing.assert_allclose(quick, exact, rtol=1e-6)
 
 
 def test_bf16_optimizer_casts_every_microbatchs_gradients_into_fp32() -> None:
@@ -146,7 +138,6 @@ def test_bf16_optimizer_casts_every_microbatchs_gradients_into_fp32() -> None:
     GEMMs write them once, 2 bytes, instead of accumulating 4 + 4), so the step's compute changes by
     m x (the passes - the fresh saving) summed over the layers. The quick estimate moves with it."""
     from autoplan.cost import estimate_config
-    from autoplan.search.space import SearchOptions, enumerate_space
 
     rate = CLUSTER.device.mem_bw_bytes_per_s * CLUSTER.device.mem_bw_efficiency
     on, off = ASYNC, dataclasses.replace(ASYNC, bf16_optimizer_grads=False)
@@ -166,11 +157,8 @@ def test_bf16_optimizer_casts_every_microbatchs_gradients_into_fp32() -> None:
     assert sum(c.fresh_grad_saving_s for c, _ in layers) > 0
     hand = m * sum(18.0 * x.num_params / rate - c.fresh_grad_saving_s for c, x in layers)  # every microbatch fresh
     assert steps[1].breakdown["compute"] - steps[0].breakdown["compute"] == pytest.approx(hand, rel=1e-6)
-    space = enumerate_space(graph, cluster, SearchOptions(global_batch=16))
-    rows = [i for i in range(len(space)) if space.config(i).pp == 1 and space.config(i).dp == 8][:4]
-    assert rows
-    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, cluster, space, rows, 16, e) for e in (on, off))
-    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6)
+    quick, exact = quick_and_exact_change(graph, cluster, on, off, lambda config: config.pp == 1 and config.dp == 8)
+    np.testing.assert_allclose(quick, exact, rtol=1e-6)
 
 
 def test_a_score_bias_input_writes_and_reads_the_scores_once_more_per_forward() -> None:
@@ -195,16 +183,12 @@ def test_deepspeed_stage3_counts_the_host_once_when_launches_block() -> None:
     adds nothing more (cost/deepspeed.sync_adds_host): a device-bound step is unchanged by blocking, and the
     quick estimate (search/assemble.py) moves exactly as the exact model does."""
     from autoplan.cost import deepspeed as ds
-    from autoplan.search.space import SearchOptions, enumerate_space
 
     base = dataclasses.replace(Engine.load("deepspeed"), dp_comm_overlap=False, param_gather_overlap=False,
                                zero3_sync_per_module=True)
     on = dataclasses.replace(base, launch_blocking=True)
     assert ds.sync_adds_host(base) and not ds.sync_adds_host(on)
     graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096, unfused=True)
-    space = enumerate_space(graph, CLUSTER, SearchOptions(global_batch=16))
-    rows = [i for i in range(len(space)) if space.config(i).zero == 3 and space.config(i).dp == 8
-            and space.config(i).pp == 1][:4]
-    assert rows
-    (q_on, e_on), (q_off, e_off) = (quick_and_exact(graph, CLUSTER, space, rows, 16, e) for e in (on, base))
-    np.testing.assert_allclose(q_on - q_off, e_on - e_off, rtol=1e-6, atol=1e-12)
+    quick, exact = quick_and_exact_change(graph, CLUSTER, on, base,
+                                          lambda config: config.zero == 3 and config.dp == 8 and config.pp == 1)
+    np.testing.assert_allclose(quick, exact, rtol=1e-6, atol=1e-12)

@@ -14,7 +14,7 @@ from test_cost_graph_helper import a100_cluster, gpt_graph
 from autoplan import cost
 from autoplan.cost import comm
 from autoplan.cost.experts import expert_dp_placement
-from autoplan.search import assemble, surrogate
+from autoplan.search import assemble, collectives, surrogate
 from autoplan.search.pricing import Mesh, Pricing, int_codes
 from autoplan.search.space import SearchOptions, enumerate_space
 
@@ -28,7 +28,7 @@ def _space():
 
 def _direct(kind: str, space, rows: np.ndarray, axes: tuple[str, ...], nbytes: np.ndarray) -> np.ndarray:
     """cost.comm's time for each candidate and element on its own: the reference."""
-    fn = assemble._KINDS[kind]
+    fn = collectives._KINDS[kind]
     out = np.zeros(nbytes.shape)
     for i, row in enumerate(rows.tolist()):
         config = space.config(row)
@@ -67,8 +67,8 @@ def test_a_price_is_computed_once_per_quick_estimate(monkeypatch: pytest.MonkeyP
     space = _space()
     c = dict(space.columns)
     calls = []
-    real = assemble._KINDS["ar"]
-    monkeypatch.setitem(assemble._KINDS, "ar", lambda *a: calls.append(a[0]) or real(*a))
+    real = collectives._KINDS["ar"]
+    monkeypatch.setitem(collectives._KINDS, "ar", lambda *a: calls.append(a[0]) or real(*a))
     pricing = Pricing({}, None)
     nbytes = np.full((len(space), 2), 4e6)
     first = assemble.collective_s("ar", assemble.mesh_sizes(c, pricing), ("dp",), nbytes, CLUSTER)
