@@ -15,7 +15,7 @@ import json
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401 - (DTensor imports it on first use: ~5 s per forked rank unless done here)
+import torch._dynamo
 import torch.nn.functional as F
 from harness import run_ranks
 from test_exec_hf import assert_matches

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_exec_components import B, SEQ, STEPS, reference
+from test_exec_components import SEQ, STEPS, B, reference
 
 from autoplan.cli.main import main
 

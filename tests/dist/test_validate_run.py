@@ -42,7 +42,7 @@ def test_validate_json_holds_the_contract_and_its_scores(tmp_path) -> None:
     pred = [e["predicted_step_time_s"] for e in plans]
     meas = [e["measured_step_time_s"] for e in plans]
     assert math.isclose(result["mape"], sum(abs(p - m) / m for p, m in zip(pred, meas)) / 3)
-    rank = lambda xs: [sorted(xs).index(x) for x in xs]  # noqa: E731 - distinct values here
+    rank = lambda xs: [sorted(xs).index(x) for x in xs]
     d2 = sum((a - b) ** 2 for a, b in zip(rank(pred), rank(meas)))
     assert math.isclose(result["spearman"], 1 - 6 * d2 / (3 * (9 - 1)))
     assert png.read_bytes()[:8] == PNG
