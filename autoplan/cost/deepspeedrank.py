@@ -12,7 +12,7 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.compute import block_shape
-from autoplan.cost.gradpasses import grad_wire_bytes
+from autoplan.cost.gradpasses import grad_wire_bytes, self_copy_passes
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.memory import state_bytes_per_param
 from autoplan.cost.overlap import contention_fraction, hidden_penalty_s
@@ -100,9 +100,9 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
 
     def single_s(numel: float) -> float:
         # one gradient: util_ops.flatten -> torch::utils::flatten_dense_tensors returns a view of a single
-        # tensor (torch/csrc/utils/tensor_flatten.h), the copy back onto that same memory still runs (copy_
-        # short-circuits views of the same data only from pytorch/pytorch PR #88884, 2022-11): two passes
-        return reduce_s(numel, 2.0)
+        # tensor (torch/csrc/utils/tensor_flatten.h): no flatten pass; the divide, and the copy back onto that
+        # same memory unless the engine's torch short-circuits it (gradpasses.self_copy_passes)
+        return reduce_s(numel, 1.0 + self_copy_passes(engine))
 
     full = config.recompute.value == "full"
     layers = []

@@ -95,13 +95,14 @@ def ddp_grad_pass_bytes(dtype: str, engine: Engine, numel: Any) -> Any:
     return passes * 2.0 * grad_wire_bytes(dtype, engine)
 
 
-# torch copy_ of a view onto the very memory it reads: aten/src/ATen/native/Copy.cpp copy_impl "Exit early if
-# self and src are views of the same data" (is_alias_of, same storage_offset, strides, sizes, dtype: no kernel;
-# in torch 2.x, e.g. the 2.13 installed here: 50M-element self copy 0.1 ms vs 20 ms for a copy). Older copy_impl
-# (the v1.7-1.8 forks SNU-ARC/flashneuron, K-Wu/pytorch-direct) returned early only for `self.is_same(src)`,
-# which unflatten's narrow view is not: one read and one write of the buffer there. When between v1.8 and 2.x
-# the check came is not pinned here; this engine is Megatron-DeepSpeed of 2023 (engines/megatron-deepspeed.yaml)
-SELF_COPY_PASSES = 0  # read + write passes of such a copy
+def self_copy_passes(engine: Engine) -> float:
+    """Read + write passes of torch's copy_ of a view onto the very data it reads (a one-tensor bucket's flatten
+    is that view, torch/csrc/utils/tensor_flatten.h): none where the engine's torch short-circuits it
+    (Engine.self_copy_skipped: aten/src/ATen/native/Copy.cpp copy_impl "Exit early if self and src are views of
+    the same data", pytorch/pytorch PR #88884, 2022-11, torch 2.0; in the torch 2.13 installed here a 50M-element
+    self copy takes 0.1 ms against 20 ms for a copy), one before (copy_impl returned early only for
+    `self.is_same(src)`, which a narrow view is not)."""
+    return 0.0 if engine.self_copy_skipped else 1.0
 
 
 def bf16_comm_pass_bytes(dtype: str, engine: Engine, numel: Any) -> Any:
@@ -118,10 +119,10 @@ def bf16_comm_pass_bytes(dtype: str, engine: Engine, numel: Any) -> Any:
           default): w + w (skipped with one rank: not modelled, as dp_grad_passes);
       `tensor.copy_(tensor_to_allreduce)`: the copy back, w + b;
       then `buf.copy_(synced)` per buffer: b + b from the cat's result, a copy onto itself for a one-tensor
-          bucket (SELF_COPY_PASSES).
+          bucket (self_copy_passes).
     A rank whose gradients exceed dp_bucket_numel has its weight-decay buffer (nearly all of them; the no-decay
     group holds the norms and biases) in a bucket of its own: counted so when `numel` exceeds it."""
     b, w = grad_wire_bytes(dtype, engine), float(dtype_bytes(dtype))
     alone = (np.asarray(numel) > engine.dp_bucket_numel) & (engine.dp_bucket_numel > 0)
-    out = (b + w) + 2.0 * w + (w + b) + np.where(alone, 2.0 * b * SELF_COPY_PASSES, 4.0 * b)
+    out = (b + w) + 2.0 * w + (w + b) + np.where(alone, 2.0 * b * self_copy_passes(engine), 4.0 * b)
     return float(out) if np.ndim(out) == 0 else out

@@ -110,6 +110,9 @@ class Engine:
     zero3_trace_aligned: bool = True  # the recorded sub-module trace lines up with the step counter: prefetch and keep-for-later work
     zero3_serial_grad_checks: bool = False  # the step checks overflow and sums the gradient norm one parameter at a time, reading each result on the host
     zero3_small_grad_hooks: bool = False  # the small (persistent) parameters' gradient hooks fill and flush the reduce buckets in autograd's order
+    # torch's copy_ of a view onto the very data it reads is a no-op (pytorch/pytorch PR #88884, 2022-11, in torch 2.0:
+    # 'copy_: Short-circuit when self and src view the same data'); before it one read and one write ran
+    self_copy_skipped: bool = True
     # CUDA_LAUNCH_BLOCKING=1 (CUDA C Programming Guide, "Asynchronous Concurrent Execution": "Programmers can
     # globally disable asynchronicity of kernel launches for all CUDA applications running on a system by setting
     # the CUDA_LAUNCH_BLOCKING environment variable to 1"): every launch returns when its kernel has run, so the

@@ -99,3 +99,16 @@ def test_the_quick_estimate_moves_as_the_exact_model(bucket: int) -> None:
                                           lambda config: config.dp > 1 and config.zero <= 1, count=6)
     assert np.all(exact != 0)
     np.testing.assert_allclose(quick, exact, rtol=1e-6, atol=1e-12)
+
+
+def test_a_self_copy_costs_a_pass_only_before_torch_2() -> None:
+    """One rule for torch's copy_ of a view onto its own data (gradpasses.self_copy_passes, PR #88884): a
+    buffer alone in its bucket pays buf.copy_'s read + write, b + b = 8 more bytes, under a torch that lacks
+    the early exit (BLOOM's PyTorch 1.11: 16 + 8 = 24), none under torch 2 (16); the several-buffer bucket's
+    real copy is unaffected (32 either way)."""
+    old_torch = dataclasses.replace(SHIPPED, self_copy_skipped=False)
+    alone = SHIPPED.dp_bucket_numel + 1
+    assert bf16_comm_pass_bytes("bf16", old_torch, alone) == 16.0 + 2 * 4.0
+    assert bf16_comm_pass_bytes("bf16", SHIPPED, alone) == 16.0
+    assert bf16_comm_pass_bytes("bf16", old_torch, 1e6) == bf16_comm_pass_bytes("bf16", SHIPPED, 1e6) == 32.0
+    assert not Engine.load("deepspeed").self_copy_skipped  # 2021's torch 1.8: cost.deepspeedrank's single_s too
