@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
+from autoplan.cost.reserve import block_hidden
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import ParallelConfig, Recompute
@@ -69,7 +70,7 @@ def build_problem(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfi
                for i in run_first for mode in modes)
     # the reserve, NCCL buffers and ZeRO-3's working set (cost.memory.fixed_memory_bytes)
     largest = max(c.param_count for c in costs.values())
-    hidden = max((layer.hidden_size for layer in graph.layers), default=0)  # cost.reserve.block_hidden
+    hidden = block_hidden(graph.layers)
     fixed = cost_model.fixed_memory_bytes(config, cluster, max_layer_params=largest, max_param_numel=largest,
                                           seq_len=graph.seq_len, hidden=hidden)
     dtype = cluster.dtype

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
+from autoplan.cost.reserve import block_hidden
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks
@@ -194,7 +195,7 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                      "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]],
                      **{k: shape[k][key[first]] for k in ROOT_PER_KEY},
                      **{k: shape[k] for k in ("root_layers", "rank_blocks", "head_and_block")},
-                     "seq_len": graph.seq_len, "hidden": max((layer.hidden_size for layer in graph.layers), default=0)}
+                     "seq_len": graph.seq_len, "hidden": block_hidden(graph.layers)}
             if per_step is not None:
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
