@@ -158,3 +158,68 @@ def measured_step_s(rec: dict, peak_flops: float, model_flops: float) -> float:
 
 def records() -> list[dict]:
     return json.loads(RUNS.read_text())["records"]
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """A record priced with other plausible values of settings its source does not publish (the record's
+    optional "alternatives": name, why, config and / or engine_overrides fields laid over the record's own).
+    Shown beside the record, never chosen: the set summaries use the recorded settings only."""
+
+    name: str
+    why: str
+    result: Result
+
+
+ALTERNATIVE_KEYS = ("name", "why", "config", "engine_overrides")
+
+
+def with_alternative(rec: dict, alt: dict) -> dict:
+    """The record with one alternative's config and engine_overrides fields replacing its own (the rest kept)."""
+    check_alternative(rec, alt)
+    return {**rec, "config": {**rec["config"], **alt.get("config", {})},
+            "engine_overrides": {**rec.get("engine_overrides", {}), **alt.get("engine_overrides", {})},
+            "alternatives": []}
+
+
+def check_alternative(rec: dict, alt: dict) -> None:
+    """One line naming the record for a malformed alternative: an unknown key, an unknown ParallelConfig or
+    Engine field, no name / why, or nothing changed."""
+    where = f"{rec['id']}: alternative {alt.get('name', '(unnamed)')!r}"
+    unknown = {"key": sorted(set(alt) - set(ALTERNATIVE_KEYS)),
+               "config field": sorted(set(alt.get("config", {})) - {f.name for f in dataclasses.fields(ParallelConfig)}),
+               "engine_overrides field": sorted(set(alt.get("engine_overrides", {}))
+                                                - {f.name for f in dataclasses.fields(Engine)})}
+    for what, names in unknown.items():
+        if names:
+            raise ValueError(f"{where}: unknown {what}(s) {names}: an alternative lays ParallelConfig / Engine "
+                             f"fields over the record's, with keys {list(ALTERNATIVE_KEYS)}")
+    if not alt.get("name") or not alt.get("why"):
+        raise ValueError(f"{where}: give it a 'name' and a 'why' (which unpublished setting it varies, and why)")
+    if not alt.get("config") and not alt.get("engine_overrides"):
+        raise ValueError(f"{where}: it changes nothing: give 'config' and / or 'engine_overrides' fields")
+
+
+def alternatives(rec: dict) -> list[Alternative]:
+    """Each of the record's alternatives priced by predict() on the record with those fields replaced."""
+    out = []
+    for alt in rec.get("alternatives", []):
+        changed = with_alternative(rec, alt)
+        try:
+            result = predict(changed)
+        except ValueError as err:
+            raise ValueError(f"{rec['id']}: alternative {alt['name']!r}: {err}") from None
+        out.append(Alternative(name=alt["name"], why=alt["why"], result=result))
+    return out
+
+
+def recorded_values(rec: dict) -> str:
+    """The record's own values of the fields its alternatives vary, e.g. 'microbatch 1, virtual_stages 23'."""
+    config, engine, sources = ParallelConfig.from_dict(rec["config"]), engine_of(rec), {}
+    for alt in rec.get("alternatives", []):
+        for key in alt.get("config", {}):
+            sources.setdefault(key, config)
+        for key in alt.get("engine_overrides", {}):
+            sources.setdefault(key, engine)
+    shown = {key: getattr(src, key) for key, src in sources.items()}
+    return ", ".join(f"{key} {getattr(value, 'value', value)}" for key, value in shown.items())

@@ -137,3 +137,84 @@ def test_llama3_measured_step_is_palm_mfu_over_the_full_attention_square(rid):
     per_token = 6.0 * n + 12.0 * layers * h * s
     hand = per_token * rec["global_batch"] * s / (rec["measured"]["mfu"] * 989e12 * rec["cluster"]["gpus"])
     assert predict(rec).measured_s == pytest.approx(hand, rel=1e-9)
+
+
+def _record(rid: str) -> dict:
+    from published import records
+
+    return next(r for r in records() if r["id"] == rid)
+
+
+def test_an_alternative_is_priced_as_the_record_with_those_fields():
+    """mcore-h100-119B's 'V 1' and bloom-176b-tp8-dp4's launch_blocking false, against the records built by
+    hand with those fields changed (the other config and engine_overrides kept)."""
+    import copy
+
+    from published import alternatives, predict
+
+    for rid, name, edit in [
+        ("mcore-h100-119B", "V 1 (no interleaving)",
+         lambda r: r["config"].update(schedule="1f1b", virtual_stages=1)),
+        ("bloom-176b-tp8-dp4", "no CUDA_LAUNCH_BLOCKING", lambda r: r["engine_overrides"].update(launch_blocking=False)),
+    ]:
+        rec = _record(rid)
+        hand = copy.deepcopy(rec)
+        del hand["alternatives"]
+        edit(hand)
+        alt = next(a for a in alternatives(rec) if a.name == name)
+        assert alt.result.predicted_s == predict(hand).predicted_s, rid
+        assert alt.result.measured_s == predict(hand).measured_s, rid
+        assert alt.result.predicted_s != predict(rec).predicted_s, rid  # the alternative changes the price
+
+
+def test_alternatives_do_not_enter_the_set_summaries():
+    """bench/accuracy.py's summaries see one Result per record, priced with the recorded settings: the same
+    line as for the records stripped of their alternatives, which themselves price differently."""
+    import accuracy
+    from published import predict
+
+    recs = [_record("mcore-h100-119B"), _record("megascale-t2-175B-256")]
+    checks, alts = accuracy.published_checks(recs)
+    bare = [predict({k: v for k, v in rec.items() if k != "alternatives"}) for rec in recs]
+    assert [r.predicted_s for r in checks] == [r.predicted_s for r in bare]
+    assert accuracy.summary(checks) == accuracy.summary(bare)
+    assert set(alts) == {rec["id"] for rec in recs} and all(alts.values())
+    assert any(a.result.predicted_s != checks[0].predicted_s for a in alts["mcore-h100-119B"])
+
+
+@pytest.mark.parametrize("alt, says", [
+    ({"name": "typo", "why": "w", "config": {"microbatchez": 2}}, "unknown config field(s) ['microbatchez']"),
+    ({"name": "typo", "why": "w", "engine_overrides": {"launch_blockin": False}},
+     "unknown engine_overrides field(s) ['launch_blockin']"),
+    ({"name": "typo", "why": "w", "configs": {"microbatch": 2}}, "unknown key(s) ['configs']"),
+    ({"name": "typo", "why": "w"}, "changes nothing"),
+])
+def test_a_bad_alternative_is_one_line_naming_the_record(alt, says):
+    from published import alternatives
+
+    rec = {**_record("mcore-h100-32B"), "alternatives": [alt]}
+    with pytest.raises(ValueError) as err:
+        alternatives(rec)
+    assert str(err.value).startswith("mcore-h100-32B: alternative 'typo': ") and "\n" not in str(err.value)
+    assert says in str(err.value)
+
+
+def test_the_bench_stops_on_a_bad_alternative_before_pricing(monkeypatch, capsys):
+    import accuracy
+
+    bad = {**_record("mcore-h100-32B"), "alternatives": [{"name": "typo", "why": "w", "config": {"mb": 2}}]}
+    monkeypatch.setattr(accuracy, "records", lambda: [bad])
+    monkeypatch.setattr(accuracy, "vtrain_results", lambda *a: pytest.fail("priced before the check"))
+    monkeypatch.setattr(sys, "argv", ["accuracy.py"])
+    assert accuracy.main() == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("accuracy: error: mcore-h100-32B: alternative 'typo': unknown config field") and "\n" not in err
+
+
+def test_every_shipped_alternative_is_well_formed():
+    from published import check_alternative, records
+
+    alts = [(rec, alt) for rec in records() for alt in rec.get("alternatives", [])]
+    assert len(alts) > 20
+    for rec, alt in alts:
+        check_alternative(rec, alt)
