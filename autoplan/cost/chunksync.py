@@ -34,42 +34,50 @@ bucket-hook tail (cost/dataparallel.py) has them on one stream.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
 
 
-def chunk_windows_s(chunk_bwd: Sequence[float], p: int, r: int) -> list[float]:
+def chunk_windows_s(chunk_bwd: Sequence[Any], p: int, r: Any) -> list[Any]:
     """Backward seconds pipeline rank `r` (of `p`) still runs after it launches chunk c's reduction, per
     chunk c of its v (model order), from the cool-down's backward slots: chunk_bwd[c] is one microbatch's
     backward of chunk c. W_0 = 0; W_c = (p - r) b_{c-1} + p sum_{j < c-1} b_j (module docstring). The slots
     are counted back to back: a drain's waits between them would only hide more (the exposed part is an
-    upper bound)."""
+    upper bound). Floats, or numpy arrays of one shape (chunk_bwd[c] and r broadcast: the quick estimate's
+    [candidates, pipeline ranks], search/chunks.py). W_{c+1} - W_c = (p - r) b_c + r b_{c-1} >= 0: the
+    windows never shrink with c, so chunk v-1 is launched first (queued_tail_s)."""
     out = [0.0]
     for c in range(1, len(chunk_bwd)):
         out.append((p - r) * chunk_bwd[c - 1] + p * sum(chunk_bwd[: c - 1]))
     return out
 
 
-def queued_tail_s(windows: Sequence[float], reduces: Sequence[float]) -> float:
+def queued_tail_s(windows: Sequence[Any], reduces: Sequence[Any]) -> Any:
     """Seconds the reductions run past the rank's last backward: chunk c's `reduces[c]` is queued `windows[c]`
-    before that end on the one communicator, which runs them in launch order (chunk v-1 first); each starts
-    when launched and when the one before it is done. Zero when all finish in time."""
-    end = float("-inf")
-    for c in sorted(range(len(windows)), key=lambda k: -windows[k]):
-        end = max(end, -windows[c]) + reduces[c]
-    return max(end, 0.0) if reduces else 0.0
+    before that end on the one communicator, which runs them in launch order (chunk v-1 first: `windows`
+    never shrink with c, as chunk_windows_s's); each starts when launched and when the one before it is
+    done. Zero when all finish in time. Floats or numpy arrays (elementwise)."""
+    end: Any = float("-inf")
+    for c in reversed(range(len(windows))):
+        end = np.maximum(end, -windows[c]) + reduces[c]
+    return _scalar(np.maximum(end, 0.0)) if len(reduces) else 0.0
 
 
-def applies(p: int, v: int, r: int) -> bool:
+def applies(p: int, v: int, r: Any) -> Any:
     """Whether pipeline rank r's once-per-step reduction is launched per chunk by the schedule (interleaved:
-    every rank; 1F1B: all but the first stage, which keeps the bucket hooks); never without a pipeline."""
-    return p > 1 and (v > 1 or r > 0)
+    every rank; 1F1B: all but the first stage, which keeps the bucket hooks); never without a pipeline.
+    `r` an int or a numpy array of ranks (elementwise)."""
+    return (p > 1) & ((v > 1) | (r > 0))
 
 
-def rank_chunk_tail_s(chunk_bwd: Sequence[float], chunk_reduces: Sequence[float], p: int, r: int) -> tuple[float, float]:
+def rank_chunk_tail_s(chunk_bwd: Sequence[Any], chunk_reduces: Sequence[Any], p: int, r: Any) -> tuple[Any, Any]:
     """(exposed, hidden) seconds of rank r's per-chunk reductions (chunk_reduces[c], chunk c's buckets summed)
     past its last backward: queued_tail_s over chunk_windows_s; with one chunk (1F1B, r > 0) the whole
-    reduction. Hidden is what ran beside the remaining backwards (it slows them: overlap.hidden_penalty_s)."""
+    reduction. Hidden is what ran beside the remaining backwards (it slows them: overlap.hidden_penalty_s).
+    Floats, or numpy arrays per chunk (search/chunks.py chunk_sync_tail)."""
     exposed = queued_tail_s(chunk_windows_s(chunk_bwd, p, r), chunk_reduces)
-    return exposed, max(sum(chunk_reduces) - exposed, 0.0)
+    return exposed, _scalar(np.maximum(sum(chunk_reduces) - exposed, 0.0))
 
 
 def chunk_spans(chunks: Sequence[int]) -> list[range]:
@@ -92,10 +100,18 @@ def later_gathers_s(chunk_fwd: Sequence[float], gathers: Sequence[float], p: int
     interleaved schedule runs p forwards of chunk c-1 (schedules.py get_model_chunk_id: groups of p
     microbatches) before chunk c's first: chunk c's gather, dispatched at the start of chunk c-1's first
     forward (c >= 2) or near the end of it (c = 1), has p x f_{c-1} (c >= 2) or (p - 1) x f_0 (c = 1) of
-    forward beside it (`chunk_fwd`, one microbatch's); the rest is exposed."""
-    exposed = hidden = 0.0
+    forward beside it (`chunk_fwd`, one microbatch's); the rest is exposed. Floats, or numpy arrays per chunk
+    (search/chunks.py chunk_gather_s)."""
+    exposed: Any = 0.0
+    hidden: Any = 0.0
     for c in range(1, len(chunk_fwd)):
         window = (p - 1 if c == 1 else p) * chunk_fwd[c - 1]
-        exposed += max(gathers[c - 1] - window, 0.0)
-        hidden += min(gathers[c - 1], window)
-    return exposed, hidden
+        exposed = exposed + np.maximum(gathers[c - 1] - window, 0.0)
+        hidden = hidden + np.minimum(gathers[c - 1], window)
+    return _scalar(exposed), _scalar(hidden)
+
+
+def _scalar(x: Any) -> Any:
+    """A plain float for the exact model's scalars (numpy's elementwise max returns numpy floats); arrays as
+    they are."""
+    return float(x) if np.ndim(x) == 0 else x

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from autoplan.cluster.types import ClusterSpec, DeviceSpec
 from autoplan.cost import comm
 from autoplan.cost.compute import H2D_SYNC_COPY_S
@@ -97,23 +99,25 @@ def p2p_overlapped(engine: Engine, schedule: Schedule | str, v: int) -> bool:
     return engine.pp_p2p_overlap and Schedule(str(schedule).lower()) is Schedule.INTERLEAVED and v > 1
 
 
-def overlapped_p2p_saving_s(hop_s: Any, frac: Any) -> Any:
-    """What an overlapped transfer of hop_s seconds takes off a rank's steady-state slot: all of it but the
-    compute its NCCL kernel slows while it runs beside the chunks (overlap.hidden_penalty_s's rule, `frac` the
-    pp communicator's contention_fraction). Megatron-Core core_r0.8.0 schedules.py
-    forward_backward_pipelining_with_interleaving under overlap_p2p_comm: after each forward,
+def overlapped_p2p_saving_s(hop_s: Any, frac: Any, slot_s: Any) -> Any:
+    """What an overlapped transfer of hop_s seconds takes off a rank's steady-state slot: the part of it that
+    runs beside the compute `slot_s` launched after it, min(hop_s, slot_s), but the compute its NCCL kernel
+    slows meanwhile (overlap.hidden_penalty_s's rule, `frac` the pp communicator's contention_fraction).
+    Megatron-Core core_r0.8.0 (baf94af3) megatron/core/pipeline_parallel/schedules.py
+    forward_backward_pipelining_with_interleaving under overlap_p2p_comm, steady state: after each forward,
     p2p_communication.send_forward_recv_forward(..., overlap_p2p_comm=True) returns the isend / irecv handles
     (p2p_communication._communicate -> _p2p_ops, torch.distributed.isend / irecv on their own NCCL stream),
-    waited (`req.wait()` on fwd_wait_handles) only before the next forward; the backward's send / receive
-    likewise (bwd_wait_handles, before the next backward), so the transfer runs beside the chunk computed in
-    between. Assumes a transfer no longer than one chunk's forward or backward (the H100 462B run: 0.4 ms
-    against ~8 ms). The fill and drain still wait for it along the chain (pipeline_time_s: steady_s takes
-    it off X_r only). Numbers or numpy arrays."""
-    return hop_s * (1.0 - frac)
+    then the backward_step_helper runs, and `req.wait()` on fwd_wait_handles comes only before the next
+    forward_step_helper; the backward's send / receive likewise (bwd_wait_handles, waited before the next
+    backward, the next forward run in between). So a forward's transfer hides behind one backward and a
+    backward's behind one forward: a hop longer than that chunk waits out the rest before the next chunk
+    (`slot_s`: add_hop's slots). The fill and drain still wait for it along the chain (pipeline_time_s:
+    steady_s takes it off X_r only). Numbers or numpy arrays."""
+    return np.minimum(hop_s, slot_s) * (1.0 - frac)
 
 
 def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes: float, cluster: ClusterSpec,
-             config: ParallelConfig, engine: Engine) -> None:
+             config: ParallelConfig, engine: Engine, slots: tuple[float, float]) -> None:
     """One pipeline cut between ranks a (sender of the activation) and b, per microbatch. Each tp rank sends
     1/t (Narayanan et al. 2021 section 4.1, scatter/gather); between node groups over cluster.inter_group.
     The sender's stream carries each transfer: a's forward the activation, b's backward the gradient. The
@@ -137,7 +141,10 @@ def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes
     (m + 1) T.
 
     Overlapped p2p (p2p_overlapped: Megatron-Core's interleaved schedule): each side's slot keeps the transfer
-    for the fill and drain, and Rank.p2p_hidden takes overlapped_p2p_saving_s of it off the steady state."""
+    for the fill and drain, and Rank.p2p_hidden takes overlapped_p2p_saving_s of it off the steady state, capped
+    by `slots` (a's, b's): the compute each side's transfer hides behind, one backward on a (its activation's
+    send runs beside the backward after the forward), one forward on b (its gradient's beside the next
+    forward). estimate_config passes the chunks beside the cut (chunk_slots_s)."""
     env_a, env_b = env_of[a], env_of[b]
     inter = crosses_groups(cluster, config, a, b)
     sizes = (out_bytes, partition_meta_bytes(config.tp)) if partitioned(config, engine) else (out_bytes,)
@@ -159,13 +166,23 @@ def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes
     if p2p_overlapped(engine, config.schedule, config.virtual_stages):
         view = env_a.view
         frac = contention_fraction(view, comm.group_placement(config, ("pp",), view.devices_per_node))
-        for k in (a, b):
-            ranks[k].p2p_hidden += overlapped_p2p_saving_s(hop, frac)
-            ranks[k].pp -= overlapped_p2p_saving_s(hop, frac)
+        for k, slot in zip((a, b), slots):
+            ranks[k].p2p_hidden += overlapped_p2p_saving_s(hop, frac, slot)
+            ranks[k].pp -= overlapped_p2p_saving_s(hop, frac, slot)
     elif not engine.pp_p2p_batched:
         for k in (a, b):
             ranks[k].recv_wait += hop
             ranks[k].pp += hop
+
+
+def chunk_slots_s(sender: list[LayerCost], receiver: list[LayerCost]) -> tuple[float, float]:
+    """add_hop's slots for the cut after the chunk `sender` (on rank a) into the chunk `receiver` (on rank b):
+    one microbatch's backward of the sending chunk and forward of the receiving one, as add_layers splits a
+    layer's time_s (forward: fwd_s + fwd_comm_s). The compute a transfer hides behind is, in the steady state,
+    the next chunk the rank runs (overlapped_p2p_saving_s), which cycles through the rank's chunks
+    (schedules.py get_model_chunk_id); it is priced as the chunk beside the cut, the same for a model's equal
+    middle chunks."""
+    return sum(c.time_s - (c.fwd_s + c.fwd_comm_s) for c in sender), sum(c.fwd_s + c.fwd_comm_s for c in receiver)
 
 
 def partitioned(config: ParallelConfig, engine: Engine) -> bool:

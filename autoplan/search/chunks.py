@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from autoplan.cost.chunksync import applies, later_gathers_s, rank_chunk_tail_s
 from autoplan.cost.estimate import fresh_grad_share
 from autoplan.plan.engine import Engine
 from autoplan.search.collectives import EXPERT_DP, _bucketed_reduce, collective_s
@@ -36,19 +37,14 @@ def chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, w, cluster, engine, m
 def chunk_sync_tail(chunk_reduce: np.ndarray, chunk_bwd: np.ndarray, frac: Any, pp: int
                     ) -> tuple[np.ndarray, np.ndarray]:
     """cost.chunksync.rank_chunk_tail_s (Engine.grad_sync_per_chunk) over [n, v, p] chunks (rank r's c-th
-    chunk's bucketed reduction and one microbatch's backward): (the ranks it applies to: every rank when
-    v > 1, all but the first stage when v == 1; their exposed seconds past their last backward, the queue of
-    chunk_windows_s's launches, plus the SM-contention share `frac` of the hidden rest)."""
+    chunk's bucketed reduction and one microbatch's backward), called on the chunks' [n, p] arrays: (the
+    ranks it applies to, chunksync.applies; their exposed seconds past their last backward plus the
+    SM-contention share `frac` of the hidden rest)."""
     v, r = chunk_bwd.shape[1], np.arange(pp)[None, :]
-    windows = [np.zeros_like(chunk_bwd[:, 0])]
-    for c in range(1, v):
-        windows.append((pp - r) * chunk_bwd[:, c - 1] + pp * chunk_bwd[:, : c - 1].sum(axis=1))
-    end = np.full(windows[0].shape, -np.inf)
-    for c in reversed(range(v)):  # chunk v-1 is launched first
-        end = np.maximum(end, -windows[c]) + chunk_reduce[:, c]
-    shown = np.maximum(end, 0.0)
-    tail = shown + frac * np.maximum(chunk_reduce.sum(axis=1) - shown, 0.0)
-    return np.broadcast_to((r > 0) | (v > 1), tail.shape), tail
+    exposed, hidden = rank_chunk_tail_s([chunk_bwd[:, c] for c in range(v)],
+                                        [chunk_reduce[:, c] for c in range(v)], pp, r)
+    tail = exposed + frac * hidden
+    return np.broadcast_to(applies(pp, v, r), tail.shape), tail
 
 
 def chunk_inputs(extra: dict[str, np.ndarray], rank_total: np.ndarray, bucketed: Any, lay: dict[str, np.ndarray],
@@ -78,8 +74,7 @@ def chunk_gather_s(extra: dict[str, np.ndarray], gather: Any, frac: Any, pp: int
     fwd, dense, expert = extra["chunk_fwd"], extra["chunk_dense"], extra["chunk_expert"]
     first = np.maximum(extra["chunk_layers"][0], 1.0)[None, :]
     out = exposed(fwd[:, 0], gather(dense[:, 0], expert[:, 0], first), None, first, True, True, frac)
-    for c in range(1, fwd.shape[1]):
-        g = gather(dense[:, c], expert[:, c], 1.0)
-        window = (pp - 1 if c == 1 else pp) * fwd[:, c - 1]
-        out = out + np.maximum(g - window, 0.0) + frac * np.minimum(g, window)
-    return out
+    v = fwd.shape[1]
+    shown, hidden = later_gathers_s([fwd[:, c] for c in range(v)],
+                                    [gather(dense[:, c], expert[:, c], 1.0) for c in range(1, v)], pp)
+    return out + shown + frac * hidden

@@ -97,12 +97,23 @@ def _overlapped_steady(extra: dict[str, Any], c: dict[str, np.ndarray], cluster:
                        p2p: np.ndarray, steady: Any) -> Any:
     """pipeline_hops' steady part where the engine overlaps the p2p (cost.p2p.add_hop's overlapped branch): on
     interleaved rows each hop's overlapped_p2p_saving_s at the pp communicator's contention_fraction comes off,
-    in place of an unbatched pipeline's receives."""
+    in place of an unbatched pipeline's receives, capped by the chunk beside the cut (cost.p2p.chunk_slots_s:
+    the sending chunk's backward, the receiving chunk's forward) from the chunk tables [n, v, p]. Without
+    them (search/surrogate.py builds them for Engine.grad_sync_per_chunk / param_gather_per_chunk, which every
+    shipped engine with pp_p2p_overlap has) the saving is uncapped."""
     per_node = cluster.devices_per_node
     frac = per_mesh(sizes, lambda config: contention_fraction(
         cluster, comm.group_placement(config, ("pp",), per_node)), "pp-contention")
     rows = (c["schedule"] == SCHEDULES.index(Schedule.INTERLEAVED))[:, None]
-    saved = extra["hops"] * overlapped_p2p_saving_s(p2p, frac)[:, None]
+    if "chunk_fwd" not in extra:
+        return np.where(rows, -extra["hops"] * overlapped_p2p_saving_s(p2p, frac, np.inf)[:, None], steady)
+    fwd = extra["chunk_fwd"]
+    v, pp = fwd.shape[1], fwd.shape[2]
+    stage = np.arange(v * pp).reshape(v, pp)  # chunk c of rank r: stage c p + r (interleaved: stage_ranks)
+    sends, recvs = (stage + 1 < v * pp).astype(float), (stage > 0).astype(float)  # every cut crosses ranks
+    hop, share = p2p[:, None, None], frac[:, None, None]
+    saved = (sends * overlapped_p2p_saving_s(hop, share, extra["chunk_bwd"])
+             + recvs * overlapped_p2p_saving_s(hop, share, fwd)).sum(axis=1)
     return np.where(rows, -saved, steady)
 
 

@@ -35,6 +35,9 @@ def test_windows_are_the_cool_downs_backward_slots_by_hand() -> None:
     (3 of chunk 1 and 4 of chunk 0 left), chunk 0's at the end."""
     assert chunk_windows_s([1.0, 2.0, 3.0], 4, 1) == [0.0, 3.0, 3 * 2.0 + 4 * 1.0]
     assert chunk_windows_s([5.0], 2, 1) == [0.0]
+    ranks = np.array([0, 1])  # ranks 0 and 1 at once (the quick estimate's arrays): rank 0's W_1 = 4 x 1
+    assert [np.broadcast_to(w, 2).tolist() for w in chunk_windows_s([1.0, 2.0, 3.0], 4, ranks)] == [
+        [0.0, 0.0], [4.0, 3.0], [4 * 2.0 + 4 * 1.0, 3 * 2.0 + 4 * 1.0]]
 
 
 def test_the_queue_by_hand() -> None:
@@ -48,8 +51,9 @@ def test_the_queue_by_hand() -> None:
 
 
 def test_the_quick_estimates_vectorised_queue_is_the_exact_one() -> None:
-    """search.pipeline_terms.chunk_sync_tail over random unequal chunks [n, v, p] against rank_chunk_tail_s
-    rank by rank, and the ranks it applies to."""
+    """search.chunks.chunk_sync_tail calls rank_chunk_tail_s on the chunks' [n, p] arrays (one home): over
+    random unequal chunks [n, v, p] its result is the scalar call's rank by rank (the array path's
+    broadcasting of the ranks), and the ranks it applies to are applies()'s."""
     rng = np.random.default_rng(3)
     for _ in range(60):
         p, v, n = int(rng.integers(2, 9)), int(rng.integers(1, 9)), 3
@@ -136,6 +140,10 @@ def test_later_chunks_gathers_by_hand() -> None:
     chunk 2's (3) beside 4 of chunk 1 (8): hidden."""
     assert later_gathers_s([1.0, 2.0, 3.0], [5.0, 3.0], 4) == (2.0, 6.0)
     assert later_gathers_s([1.0], [], 4) == (0.0, 0.0)
+    # the same on arrays (search/chunks.py chunk_gather_s): a second column with chunk 1's gather 1 (hidden)
+    shown, hidden = later_gathers_s([np.array([1.0, 1.0]), np.array([2.0, 2.0]), np.array([3.0, 3.0])],
+                                    [np.array([5.0, 1.0]), np.array([3.0, 3.0])], 4)
+    assert shown.tolist() == [2.0, 0.0] and hidden.tolist() == [6.0, 4.0]
 
 
 def _gather(rank: Rank, config: ParallelConfig, engine: Engine) -> float:

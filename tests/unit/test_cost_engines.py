@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import yaml
 from test_cost_graph_helper import a100_cluster, gpt_graph, unfused_attention_by_hand
 
 from autoplan import cost
@@ -64,6 +65,21 @@ def test_a_user_engine_file_keeps_the_default_for_omitted_fields(tmp_path: Path)
     path.write_text("schema_version: 1\nname: mine\nattention: unfused\nzero3_prefetch_numel: 5e7\n")
     e = Engine.load(path)
     assert (e.attention, e.zero3_prefetch_numel, e.zero3) == ("unfused", 50_000_000, "fsdp2")
+
+
+def test_every_shipped_engine_file_sets_every_field_with_a_comment() -> None:
+    """Each Engine field the loader reads (cluster/engines.py _FIELDS: all but source) is written in every
+    shipped engine file, so no default applies silently, and each such line but name / description says
+    beside it where the value comes from (or why it is not read)."""
+    from autoplan.cluster.engines import _FIELDS, engine_path
+
+    for name in Engine.names():
+        text = engine_path(name).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+        assert not set(_FIELDS) - set(data), (name, sorted(set(_FIELDS) - set(data)))
+        lines = {line.split(":", 1)[0]: line for line in text.splitlines() if line and line[0].isalpha()}
+        bare = [k for k in _FIELDS if k not in ("name", "description") and "#" not in lines[k]]
+        assert not bare, (name, bare)
 
 
 # --- attention -----------------------------------------------------------------------------------------

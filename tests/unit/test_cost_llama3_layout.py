@@ -33,7 +33,14 @@ def test_explicit_stages_may_outnumber_the_blocks() -> None:
     # rank's 16-bit weights are one block and one end, not two blocks
     embed, block, head = (graph.layers[0].num_params, graph.layers[1].num_params, graph.layers[-1].num_params)
     assert est.memory.weights in (2 * (embed + block), 2 * (block + head))
-    assert est.step_time_s > 0
+    # the pipeline part of the step is at least m slots of the slowest rank (rank 1: block 0 and the head,
+    # each layer's time_s by hand from estimate_layer) and at most m + p - 1 of them plus the hops
+    layer = {n: estimate_layer(lay, IDEAL, config, config.recompute, seq_len=graph.seq_len,
+                               graph_microbatch=graph.microbatch) for lay in graph.layers for n in (lay.name,)}
+    slots = [layer["embed"].time_s + layer["layers.1"].time_s, layer["layers.0"].time_s + layer["head"].time_s]
+    m, b = 8 // 4, est.breakdown
+    pipeline = b.compute + b.recompute + b.pp_bubble + b.pp_comm
+    assert slots[1] > 10 * slots[0] and m * slots[1] <= pipeline <= (m + 1) * slots[1] + b.pp_comm
     six = a100_cluster(per_node=6, ideal=True)
     with pytest.raises(ValueError, match="tp=3 does not divide"):
         estimate_config(graph, six, dataclasses.replace(config, tp=3, dp=1), global_batch=2, stages=stages)

@@ -98,8 +98,9 @@ def test_the_quick_estimate_share_is_the_elements_flushed_before_a_fetch() -> No
 def test_exact_and_quick_estimates_grow_with_the_exposed_buckets() -> None:
     """A small GPT under the 2021 engine with 1e6-element buckets (its weights 0.75-3 M elements, so a
     bucket per weight as at 530B), every ZeRO-3 candidate without pipeline: both models slower with the
-    field on, the quick one (equal sub-modules, one share of the buckets exposed) by 0.5-1.5 x the exact
-    one's growth."""
+    field on, the quick one (equal sub-modules, one share of the buckets exposed) by 0.59-1.05 x the exact
+    one's growth on these four rows (measured; bound 0.55-1.10: the quick estimate's equal-share
+    approximation, not a property of the mechanism)."""
     from autoplan.search.space import SearchOptions, enumerate_space
 
     graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096)
@@ -113,4 +114,4 @@ def test_exact_and_quick_estimates_grow_with_the_exposed_buckets() -> None:
                                     for eng in (on, dataclasses.replace(on, zero3_small_grad_hooks=False)))
     assert np.all(e_on > e_off) and np.all(q_on > q_off)
     ratio = (q_on - q_off) / (e_on - e_off)
-    assert np.all((ratio > 0.5) & (ratio < 1.5)), ratio
+    assert np.all((ratio > 0.55) & (ratio < 1.10)), ratio  # measured 0.590 .. 1.054 on these rows, +-0.04 margin
