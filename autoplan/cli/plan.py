@@ -297,9 +297,9 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 def cmd_engines(args: argparse.Namespace) -> int:
     from autoplan.plan.engine import Engine
 
-    print(f"{'name':<14} {'attention':<9} {'zero3':<9} {'tp overlap':<10} {'dp overlap':<10} description")
+    print(f"{'name':<18} {'attention':<9} {'zero':<7} {'zero3':<9} {'tp overlap':<10} {'dp overlap':<10} description")
     for name in Engine.names():
         e = Engine.load(name)
-        print(f"{name:<14} {e.attention:<9} {e.zero3:<9} {str(e.tp_comm_overlap).lower():<10} "
-              f"{str(e.dp_comm_overlap).lower():<10} {e.description}")
+        print(f"{name:<18} {e.attention:<9} {','.join(map(str, e.zero_stages)):<7} {e.zero3:<9} "
+              f"{str(e.tp_comm_overlap).lower():<10} {str(e.dp_comm_overlap).lower():<10} {e.description}")
     return 0

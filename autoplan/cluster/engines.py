@@ -63,6 +63,11 @@ def _value(key: str, value: Any, path: str) -> Any:
             hint = " (YAML reads yes / no / on / off as booleans)" if isinstance(value, bool) else ""
             raise ValueError(f"{path}: field {key!r} must be a non-negative integer, got {value!r}{hint}")
         return value
+    if kind == "tuple[int, ...]":  # zero_stages: a YAML list of stages
+        if not isinstance(value, list) or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in value):
+            raise ValueError(f"{path}: field {key!r} must be a YAML list of ZeRO stages among 0, 1, 2, 3 "
+                             f"(e.g. [0, 1]), got {value!r}")
+        return tuple(value)
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
             raise ValueError(f"{path}: field {key!r} must be a probability in [0, 1), got {value!r}")

@@ -125,6 +125,10 @@ class Engine:
     bf16_optimizer_grads: bool = False  # under bf16, every microbatch's backward starts with the bf16 .grads None (clear_lp_grads) and ends by casting each into the fp32 gradient (update_hp_grads): fresh gradients every microbatch and a cast + add pass per parameter (cost/layer.py hp_grad_update_s)
     bf16_grad_comm: bool = False  # under bf16, the data-parallel all-reduce of BF16_Optimizer's fp32 gradient buffer travels in bf16: each bucket is cast to bf16, scaled, reduced and copied back into the fp32 buffer (DeepSpeed's default communication_data_type; cost/gradpasses.py dp_wire_bytes, bf16_comm_pass_bytes); the tied head's all-reduce stays fp32
     zero1_all_reduce: bool = False  # under bf16, ZeRO-1 reduces the full gradients with an all-reduce (each rank then updates its shard and all-gathers the weights), not a reduce-scatter: BF16_Optimizer's own sharding under DeepSpeed's pipeline engine (plan.layout.zero_layout)
+    # the ZeRO stages (ParallelConfig.zero) the engine runs, ascending, 0 among them (a plan with nothing data
+    # parallel runs unsharded under every engine); the search enumerates only these and a config with another
+    # is refused before pricing (check_zero). Each engine YAML cites its engine's code for its list
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:
@@ -137,6 +141,7 @@ class Engine:
         if not 0.0 <= self.attention_dropout < 1.0:
             raise ValueError(f"engine field 'attention_dropout' must be a probability in [0, 1), got {self.attention_dropout!r}")
         self._check_launch_blocking()
+        self._check_zero_stages()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
@@ -153,6 +158,23 @@ class Engine:
         if on:
             raise ValueError(f"engine field 'launch_blocking' is true (every kernel launch synchronous: no overlap), "
                              f"so {', '.join(map(repr, on))} must be false")
+
+    def _check_zero_stages(self) -> None:
+        """zero_stages as a sorted tuple (a JSON list comes back as one) of distinct stages among 0-3, with 0."""
+        stages = self.zero_stages
+        if not isinstance(stages, (list, tuple)) or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in stages):
+            raise ValueError(f"engine field 'zero_stages' must be a list of ZeRO stages among 0, 1, 2, 3, got {stages!r}")
+        if 0 not in stages or len(set(stages)) != len(stages):
+            raise ValueError(f"engine field 'zero_stages' must list distinct stages with 0 among them (a plan with "
+                             f"nothing data parallel runs unsharded), got {list(stages)}")
+        object.__setattr__(self, "zero_stages", tuple(sorted(stages)))
+
+    def check_zero(self, zero: int) -> None:
+        """ValueError, one line, when this engine does not run ZeRO stage `zero` (zero_stages)."""
+        if zero not in self.zero_stages:
+            runs = ", ".join(map(str, self.zero_stages))
+            raise ValueError(f"engine {self.name!r} runs ZeRO stage(s) {runs} only (its zero_stages), not zero {zero}: "
+                             f"use --zero / zero= among {runs}, or an engine that runs stage {zero}")
 
     def bf16_optimizer_runs(self, dtype: str) -> bool:
         """Whether DeepSpeed's BF16_Optimizer runs a plan trained in `dtype`: the one gate of bf16_optimizer_grads,

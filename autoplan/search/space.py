@@ -17,6 +17,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
+from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
 from autoplan.search.folding import expert_layouts, with_expert_layouts
 from autoplan.search.hetero import stage_fits_groups
@@ -75,6 +76,19 @@ class SearchOptions:
         object.__setattr__(self, "sp", sp)
         object.__setattr__(self, "schedules", tuple(_parse(Schedule, s, "schedule") for s in _as_tuple(self.schedules)))
         object.__setattr__(self, "recompute", tuple(_parse(Recompute, r, "recompute mode") for r in _as_tuple(self.recompute)))
+
+
+def engine_zero(zero: object, engine: Engine) -> tuple:
+    """The ZeRO stages to search under `engine`: its zero_stages when the caller gave none, else the caller's,
+    each checked against them (Engine.check_zero: one line naming the stages the engine runs, before any
+    pricing). Values that are not stages at all are left to SearchOptions' own message."""
+    if zero is None:
+        return engine.zero_stages
+    given = _as_tuple(zero)
+    for z in given:
+        if not isinstance(z, bool) and z in (0, 1, 2, 3):
+            engine.check_zero(z)
+    return given
 
 
 def _as_tuple(value: object) -> tuple:

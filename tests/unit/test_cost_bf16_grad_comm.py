@@ -11,7 +11,13 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact, quick_and_exact_change
+from test_cost_graph_helper import (
+    a100_cluster,
+    every_zero_stage,
+    gpt_graph,
+    quick_and_exact,
+    quick_and_exact_change,
+)
 
 from autoplan.cost import estimate_config
 from autoplan.cost.comm import all_reduce_s, group_placement
@@ -21,7 +27,7 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig
 from autoplan.search.space import SearchOptions, enumerate_space
 
-SHIPPED = dataclasses.replace(Engine.load("megatron-deepspeed"), block_forward_syncs=0)
+SHIPPED = every_zero_stage(dataclasses.replace(Engine.load("megatron-deepspeed"), block_forward_syncs=0))
 OFF = dataclasses.replace(SHIPPED, bf16_grad_comm=False)
 BASE = a100_cluster()
 DEVICE = dataclasses.replace(BASE.device, op_overhead_s=0.0)

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph
 
 from autoplan import cost
 from autoplan.cost import estimate_config
@@ -22,7 +22,7 @@ from autoplan.search.surrogate import quick_estimate
 
 GRAPH = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096)
 CLUSTER = dataclasses.replace(a100_cluster(2, per_node=4), dtype="fp16")
-BASE = dataclasses.replace(Engine.load("megatron-lm"), dp_grad_passes=0, dp_overlap_grad_passes=0)
+BASE = every_zero_stage(dataclasses.replace(Engine.load("megatron-lm"), dp_grad_passes=0, dp_overlap_grad_passes=0))
 
 
 def _step(engine: Engine, config: ParallelConfig) -> float:

@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 import numpy as np
-from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph, quick_and_exact
 
 from autoplan.cost import estimate_config
 from autoplan.cost.compute import GRAD_ACCUMULATE_BYTES, layer_compute
@@ -27,7 +27,7 @@ CLUSTER = dataclasses.replace(BASE, dtype="bf16", device=dataclasses.replace(
     BASE.device, num_sms=108, gemm_epilogue_overlap=False, op_overhead_s=0.0),
     intra_node=dataclasses.replace(BASE.intra_node, bw_bytes_per_s=3e12))
 RATE = CLUSTER.device.mem_bw_bytes_per_s * CLUSTER.device.mem_bw_efficiency
-ON = Engine.load("torchtitan")
+ON = every_zero_stage(Engine.load("torchtitan"))
 OFF = dataclasses.replace(ON, grad_freed_after_reduce=False)
 WEIGHTS = H * (3 * H) + H * H + 3 * H * F  # wq, wk, wv, wo, w1, w2, w3 (the norms' 2 H carry no GEMM)
 

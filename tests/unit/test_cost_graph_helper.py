@@ -137,3 +137,12 @@ def test_helper_graph_matches_narayanan_flops() -> None:
 def test_helper_block_params_are_12h2_plus_13h() -> None:
     g = gpt_graph(h=256, a=4, layers=1, seq=64)
     assert g.blocks[0].num_params == 12 * 256**2 + 13 * 256
+
+
+def every_zero_stage(engine):
+    """`engine` with every ZeRO stage allowed (Engine.zero_stages, which estimate_config enforces): for the
+    mechanism tests that sweep the whole search space, ZeRO 0-3, under an engine variant whatever stages the
+    engine itself runs (each field's cost term is read at every stage)."""
+    import dataclasses
+
+    return dataclasses.replace(engine, zero_stages=(0, 1, 2, 3))

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact_change
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph, quick_and_exact_change
 
 from autoplan.cost import estimate_layer
 from autoplan.cost.compute import H2D_SYNC_COPY_S
@@ -23,7 +23,7 @@ from autoplan.plan.types import ParallelConfig
 OP = 1.0e-5  # host seconds per op (the shipped A100 profiles' op_overhead_s)
 BASE = a100_cluster()
 CLUSTER = dataclasses.replace(BASE, dtype="bf16", device=dataclasses.replace(BASE.device, op_overhead_s=OP))
-ASYNC = dataclasses.replace(Engine.load("megatron-deepspeed"), block_forward_syncs=0)
+ASYNC = every_zero_stage(dataclasses.replace(Engine.load("megatron-deepspeed"), block_forward_syncs=0))
 BLOCKING = dataclasses.replace(ASYNC, launch_blocking=True)
 
 

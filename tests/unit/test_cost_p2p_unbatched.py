@@ -11,7 +11,7 @@ import dataclasses
 import math
 
 import numpy as np
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph
 
 from autoplan import cost
 from autoplan.cost import comm, estimate_config, pipeline_time_s
@@ -23,7 +23,7 @@ from autoplan.search.surrogate import quick_estimate
 H, S, MB, B = 1024, 1024, 1, 16
 GRAPH = gpt_graph(h=H, a=16, layers=8, seq=S, vocab=8192)
 CLUSTER = dataclasses.replace(a100_cluster(1), dtype="fp16")
-BATCHED = dataclasses.replace(Engine.load("megatron-deepspeed"), pp_p2p_batched=True)
+BATCHED = every_zero_stage(dataclasses.replace(Engine.load("megatron-deepspeed"), pp_p2p_batched=True))
 UNBATCHED = dataclasses.replace(BATCHED, pp_p2p_batched=False)
 
 

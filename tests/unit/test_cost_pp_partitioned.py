@@ -13,7 +13,7 @@ import dataclasses
 import math
 
 import numpy as np
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph
 
 from autoplan import cost
 from autoplan.cost import comm, estimate_config
@@ -26,7 +26,8 @@ from autoplan.search.surrogate import quick_estimate
 H, S, MB, B = 1024, 1024, 1, 16
 GRAPH = gpt_graph(h=H, a=16, layers=8, seq=S, vocab=32768)  # a large head: the last rank is the slowest
 CLUSTER = dataclasses.replace(a100_cluster(1), dtype="fp16")
-ON = dataclasses.replace(Engine.load("megatron-deepspeed"), pp_p2p_batched=True, pp_partitioned_tensors=True)
+ON = every_zero_stage(dataclasses.replace(Engine.load("megatron-deepspeed"), pp_p2p_batched=True,
+                                           pp_partitioned_tensors=True))
 OFF = dataclasses.replace(ON, pp_partitioned_tensors=False)
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import math
 
 import numpy as np
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph
 
 from autoplan import cost
 from autoplan.cost import comm, estimate_config
@@ -22,7 +22,8 @@ from autoplan.search.surrogate import quick_estimate
 H, S, MB, B = 1024, 1024, 2, 16
 GRAPH = gpt_graph(h=H, a=16, layers=4, seq=S, vocab=8192)
 CLUSTER = dataclasses.replace(a100_cluster(1), dtype="fp16")
-OFF = dataclasses.replace(Engine.load("megatron-lm"), pp_recv_all_gather=False, pp_recv_gather_copy=False)
+OFF = every_zero_stage(dataclasses.replace(Engine.load("megatron-lm"), pp_recv_all_gather=False,
+                                            pp_recv_gather_copy=False))
 
 
 def _est(engine: Engine, config: ParallelConfig):

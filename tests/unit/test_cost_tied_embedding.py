@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 import torch
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph
 from torch import nn
 
 from autoplan import cost
@@ -31,7 +31,7 @@ UNTIED = gpt_graph(h=H, a=16, layers=8, seq=S, vocab=V)
 TIED = dataclasses.replace(UNTIED, tied_embedding_params=V * H)
 FP16 = dataclasses.replace(a100_cluster(1), dtype="fp16")
 # no DDP passes: with dp = 1 nothing else runs after the pipeline, so the step grows by the all-reduce alone
-DS = dataclasses.replace(Engine.load("megatron-deepspeed"), dp_grad_passes=0)
+DS = every_zero_stage(dataclasses.replace(Engine.load("megatron-deepspeed"), dp_grad_passes=0))
 
 
 def _step(graph, cluster, config, engine) -> float:
@@ -77,7 +77,7 @@ def test_the_quick_estimate_moves_by_the_exact_seconds() -> None:
     rng = np.random.default_rng(1)
     rows = np.concatenate([rng.choice(piped, min(15, len(piped)), replace=False),
                            rng.choice(len(space), 8, replace=False)]).tolist()
-    for engine in (Engine.load("megatron-deepspeed"), Engine.load("megatron-lm")):
+    for engine in (every_zero_stage(Engine.load("megatron-deepspeed")), every_zero_stage(Engine.load("megatron-lm"))):
         before = quick_estimate(UNTIED, FP16, space, B, cost.with_engine(engine)).step_time_s
         after = quick_estimate(TIED, FP16, space, B, cost.with_engine(engine)).step_time_s
         for r in rows:

@@ -9,7 +9,7 @@ import dataclasses
 import math
 
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph, quick_and_exact
 
 from autoplan.cost import estimate_config
 from autoplan.cost.compute import layer_compute
@@ -20,7 +20,7 @@ from autoplan.plan.types import ParallelConfig, Recompute
 H, A, F, S, D = 1024, 16, 2816, 512, 2  # hidden, heads, SwiGLU width, tokens, bf16 bytes
 CLUSTER = a100_cluster()
 RATE = CLUSTER.device.mem_bw_bytes_per_s * CLUSTER.device.mem_bw_efficiency
-TITAN = Engine.load("torchtitan")
+TITAN = every_zero_stage(Engine.load("torchtitan"))
 
 
 def llama_block(kv: int = A) -> Layer:
