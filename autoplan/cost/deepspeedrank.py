@@ -6,7 +6,9 @@ work around the optimizer. The rank and its data-parallel groups are cost/datapa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
@@ -26,17 +28,35 @@ if TYPE_CHECKING:  # dataparallel.py re-exports this module's functions: a runti
 
 
 def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
-    """The weight matrices of a layer on this device (elements, after tp), in forward order: a block's
-    QKV, projection and n_mlp MLP matmuls (the remaining parameters, norms and biases, ride with the
-    projection); any other layer is one parameter."""
+    """The weight matrices of a layer on this device (elements, after tp), in forward order (weight_numels
+    of its dense and expert parameters)."""
+    return weight_numels(layer, graph, config.tp, float(cost.grad_param_count + cost.expert_param_count))
+
+
+def weight_numels(layer: Layer, graph: LayerGraph, tp: Any, params: Any) -> list[Any]:
+    """The parameter tensors DeepSpeed gathers one by one for a layer holding `params` elements on a device
+    (its LayerCost's grad_param_count + expert_param_count) at tensor-parallel degree `tp` (floats, or numpy
+    arrays alike: the quick estimate's, search/deepspeed_terms.py): a block's QKV, projection and n_mlp MLP
+    matmuls (the remaining parameters, norms and biases, ride with the projection; a block with routed
+    experts lists them last); any other layer is one parameter. weight_count(...) of them."""
     shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
     if shape is None or layer.role is not LayerRole.BLOCK:
-        return [float(cost.grad_param_count + cost.expert_param_count)]
-    t = config.tp
+        return [params]
+    t = tp
     qkv, proj = shape.h * shape.qkv_out_width / t, shape.h * shape.h / t
     mlp = [shape.h * shape.f / t] * (shape.n_mlp * shape.dense_mlps)
-    rest = max(cost.grad_param_count + cost.expert_param_count - qkv - proj - sum(mlp), 0.0)
+    rest = _nonnegative(params - qkv - proj - sum(mlp))
     return [qkv, proj + rest, *mlp] if shape.num_experts == 0 else [qkv, proj, *mlp, rest]
+
+
+def weight_count(layer: Layer, graph: LayerGraph) -> int:
+    """How many tensors weight_numels lists for `layer`: DeepSpeed's sub-module gathers per use of it."""
+    return len(weight_numels(layer, graph, 1, 0.0))
+
+
+def _nonnegative(x: Any) -> Any:
+    """max(x, 0) of a float or, elementwise, of a numpy array."""
+    return np.maximum(x, 0.0) if isinstance(x, np.ndarray) else max(x, 0.0)
 
 
 def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
@@ -86,10 +106,7 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         # torch.cuda.synchronize() before the all_gather: the fill is waited for, not overlapped
         return memory_time_s(cluster.device, numel * w) if engine.zero3_gather_copy_out else 0.0
 
-    op = cluster.device.op_overhead_s
-    issue = ds.VIEW_OP * n * op if engine.zero3_gather_copy_out else 0.0
-    launch = ds.CXX_COPY_OP * n * op if engine.zero3_gather_copy_out else 0.0
-    blocked = ds.CXX_COPY_OP * max(n - ds.PENDING_LAUNCHES, 0) * op if engine.zero3_gather_copy_out else 0.0
+    issue, launch, blocked = ds.gather_host_s(engine, n, cluster.device.op_overhead_s)
 
     def reduce_s(numel: float, passes: float = 3.0) -> float:
         # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
