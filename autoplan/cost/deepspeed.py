@@ -158,6 +158,23 @@ def gather_host_s(engine: Engine, n: Any, op_s: float) -> tuple[Any, Any, Any]:
     return VIEW_OP * n * op, CXX_COPY_OP * n * op, CXX_COPY_OP * past * op
 
 
+def gather_pass_bytes(engine: Engine, numel: Any, w: float) -> tuple[Any, Any]:
+    """The device bytes of one gathered parameter of `numel` elements at w bytes each besides the collective,
+    with zero3_gather_copy_out (none without; numel a number or a numpy array): (the zero fill of its output,
+    torch.zeros(aligned_param_size), which the device synchronize before the gather waits for: one write;
+    the copy of the flat result into the n outputs, on the communication stream after it: a read and a
+    write), partition_parameters.py _allgather_param as the module docstring reads it."""
+    on = 1.0 if engine.zero3_gather_copy_out else 0.0
+    return on * numel * w, on * 2.0 * numel * w
+
+
+def fetch_norm_bytes(engine: Engine, numel: Any, w: float) -> Any:
+    """With zero3_fetch_norm, the bytes each fetch of a layer's `numel` gathered elements reads once more
+    (stage3.py fetch_sub_module's param.norm() in its debug print, evaluated whatever the log level); none
+    without. numel a number or a numpy array."""
+    return w * numel if engine.zero3_fetch_norm else 0.0 * numel
+
+
 def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: Engine, *, recompute: bool,
                  gather_s: Callable[[float], float], reduce_s: Callable[[float], float],
                  issue_s: float = 0.0, fill_s: Callable[[float], float] | None = None,

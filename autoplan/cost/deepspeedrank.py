@@ -98,13 +98,14 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     def gather_s(numel: float) -> float:
         t = comm.all_gather_s(numel * w, groups.dense, cluster)
         if engine.zero3_gather_copy_out:  # the n copies out of the flat result read and write it once
-            t += memory_time_s(cluster.device, 2.0 * numel * w)
+            t += memory_time_s(cluster.device, ds.gather_pass_bytes(engine, numel, w)[1])
         return t
 
     def fill_s(numel: float) -> float:
         # partition_parameters.py _allgather_param: torch.zeros(aligned_param_size) on the comm stream, then
         # torch.cuda.synchronize() before the all_gather: the fill is waited for, not overlapped
-        return memory_time_s(cluster.device, numel * w) if engine.zero3_gather_copy_out else 0.0
+        return memory_time_s(cluster.device, ds.gather_pass_bytes(engine, numel, w)[0]) \
+            if engine.zero3_gather_copy_out else 0.0
 
     issue, launch, blocked = ds.gather_host_s(engine, n, cluster.device.op_overhead_s)
 
@@ -128,7 +129,7 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         small = layer_small_numels(layer, c, graph, config) if engine.zero3_small_grad_hooks else []
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
         # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
-        norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
+        norm = memory_time_s(cluster.device, ds.fetch_norm_bytes(engine, sum(numels), w))
         layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
                                        - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full,
                                        small))

@@ -14,6 +14,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import deepspeed as ds
+from autoplan.cost.kernels import memory_time_s
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Recompute
@@ -111,7 +112,8 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     backward sub-module's compute (_deepspeed_serial), but for the share extra["ds_fetch_wait_share"] that a
     small gradient's hook flushes just before a fetch (cost.zero3_grads.fetch_wait_share), reduced beside
     nothing. The sub-modules of a rank: its blocks' weight tensors (extra["ds_block_weights"], block_weights)
-    and one per other layer (cost.deepspeedrank.weight_numels), priced as equal."""
+    and one per other layer (cost.deepspeedrank.weight_numels), priced as equal; each gather's zero fill and
+    copy-out (cost.deepspeed.gather_pass_bytes) and each fetch's norm (fetch_norm_bytes) as the exact model's."""
     if not mask.any():
         return dp_f, dp_b
     dense = f["dense_params"] + f["expert_params"]
@@ -119,16 +121,21 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     blocks = np.asarray(extra.get("rank_blocks", layers), dtype=float)
     modules = blocks * extra.get("ds_block_weights", 4.0) + (layers - blocks)
     gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
-    one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster)
+    fill, copy = ds.gather_pass_bytes(engine, dense / modules, w)  # the zero fill before, the copy-out after
+    one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster) + memory_time_s(cluster.device,
+                                                                                                      copy)
     n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
     before, after, blocked = ds.gather_host_s(engine, n, cluster.device.op_overhead_s)
+    before = before + memory_time_s(cluster.device, fill)
     red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
     buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
     red = collective_s(red_fn, sizes, ("dp", "ep", "cp"), dense / buckets * wire, cluster) * buckets
     # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
     full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
     host_f, host_r, host_b = ds.host_shares(f["host"] if ds.sync_adds_host(engine) else 0.0 * one, full)
-    host_b = host_r + host_b  # the recomputed forward runs in the backward
+    # the recomputed forward runs in the backward; each fetch's norm (fetch_norm_bytes) joins the compute
+    norm = memory_time_s(cluster.device, ds.fetch_norm_bytes(engine, dense, w))
+    host_f, host_b = host_f + norm, host_r + host_b + norm * (1.0 + full)
     if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
         exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
                                                  np.maximum(after, one + blocked), red, buckets, modules, gathers,
