@@ -63,8 +63,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from autoplan.cost.compute import BACKWARD_OPS_PER_FORWARD_OP
 from autoplan.cost.zero3_grads import GPT_SMALL, Bucket, gpt_grad_hooks
 from autoplan.plan.engine import Engine
@@ -145,34 +143,6 @@ def host_shares(host_s: Any, recompute: Any) -> tuple[Any, Any, Any]:
     backward compute.BACKWARD_OPS_PER_FORWARD_OP per forward op (autograd's two gradient kernels per matmul)."""
     fwd = host_s / (1.0 + recompute + BACKWARD_OPS_PER_FORWARD_OP)
     return fwd, fwd * recompute, BACKWARD_OPS_PER_FORWARD_OP * fwd
-
-
-def gather_host_s(engine: Engine, n: Any, op_s: float) -> tuple[Any, Any, Any]:
-    """The host seconds of one parameter's gather over n ranks with zero3_gather_copy_out (none without):
-    (before it is enqueued: the n Python narrows, VIEW_OP each; while it runs: the n copy-out launches,
-    CXX_COPY_OP each; of those, the ones past the stream's PENDING_LAUNCHES queue, which follow its end),
-    at op_s (device.op_overhead_s) per eager op; n a number or a numpy array (the quick estimate's)."""
-    op = op_s if engine.zero3_gather_copy_out else 0.0
-    past = n - PENDING_LAUNCHES
-    past = np.maximum(past, 0) if isinstance(past, np.ndarray) else max(past, 0)
-    return VIEW_OP * n * op, CXX_COPY_OP * n * op, CXX_COPY_OP * past * op
-
-
-def gather_pass_bytes(engine: Engine, numel: Any, w: float) -> tuple[Any, Any]:
-    """The device bytes of one gathered parameter of `numel` elements at w bytes each besides the collective,
-    with zero3_gather_copy_out (none without; numel a number or a numpy array): (the zero fill of its output,
-    torch.zeros(aligned_param_size), which the device synchronize before the gather waits for: one write;
-    the copy of the flat result into the n outputs, on the communication stream after it: a read and a
-    write), partition_parameters.py _allgather_param as the module docstring reads it."""
-    on = 1.0 if engine.zero3_gather_copy_out else 0.0
-    return on * numel * w, on * 2.0 * numel * w
-
-
-def fetch_norm_bytes(engine: Engine, numel: Any, w: float) -> Any:
-    """With zero3_fetch_norm, the bytes each fetch of a layer's `numel` gathered elements reads once more
-    (stage3.py fetch_sub_module's param.norm() in its debug print, evaluated whatever the log level); none
-    without. numel a number or a numpy array."""
-    return w * numel if engine.zero3_fetch_norm else 0.0 * numel
 
 
 def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: Engine, *, recompute: bool,

@@ -79,6 +79,34 @@ def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config:
     return [rest / count] * count if count else []
 
 
+def gather_host_s(engine: Engine, n: Any, op_s: float) -> tuple[Any, Any, Any]:
+    """The host seconds of one parameter's gather over n ranks with zero3_gather_copy_out (none without):
+    (before it is enqueued: the n Python narrows, deepspeed.VIEW_OP each; while it runs: the n copy-out
+    launches, CXX_COPY_OP each; of those, the ones past the stream's PENDING_LAUNCHES queue, which follow its
+    end), at op_s (device.op_overhead_s) per eager op; n a number or a numpy array (the quick estimate's)."""
+    op = op_s if engine.zero3_gather_copy_out else 0.0
+    past = n - ds.PENDING_LAUNCHES
+    past = np.maximum(past, 0) if isinstance(past, np.ndarray) else max(past, 0)
+    return ds.VIEW_OP * n * op, ds.CXX_COPY_OP * n * op, ds.CXX_COPY_OP * past * op
+
+
+def gather_pass_bytes(engine: Engine, numel: Any, w: float) -> tuple[Any, Any]:
+    """The device bytes of one gathered parameter of `numel` elements at w bytes each besides the collective,
+    with zero3_gather_copy_out (none without; numel a number or a numpy array): (the zero fill of its output,
+    torch.zeros(aligned_param_size), which the device synchronize before the gather waits for: one write;
+    the copy of the flat result into the n outputs, on the communication stream after it: a read and a
+    write), partition_parameters.py _allgather_param as cost/deepspeed.py's docstring reads it."""
+    on = 1.0 if engine.zero3_gather_copy_out else 0.0
+    return on * numel * w, on * 2.0 * numel * w
+
+
+def fetch_norm_bytes(engine: Engine, numel: Any, w: float) -> Any:
+    """With zero3_fetch_norm, the bytes each fetch of a layer's `numel` gathered elements reads once more
+    (stage3.py fetch_sub_module's param.norm() in its debug print, evaluated whatever the log level); none
+    without. numel a number or a numpy array."""
+    return w * numel if engine.zero3_fetch_norm else 0.0 * numel
+
+
 def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, engine: Engine,
                    groups: DpGroups) -> None:
     """Replace the rank's per-microbatch forward and backward by DeepSpeed stage 3's timeline
@@ -98,16 +126,16 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     def gather_s(numel: float) -> float:
         t = comm.all_gather_s(numel * w, groups.dense, cluster)
         if engine.zero3_gather_copy_out:  # the n copies out of the flat result read and write it once
-            t += memory_time_s(cluster.device, ds.gather_pass_bytes(engine, numel, w)[1])
+            t += memory_time_s(cluster.device, gather_pass_bytes(engine, numel, w)[1])
         return t
 
     def fill_s(numel: float) -> float:
         # partition_parameters.py _allgather_param: torch.zeros(aligned_param_size) on the comm stream, then
         # torch.cuda.synchronize() before the all_gather: the fill is waited for, not overlapped
-        return memory_time_s(cluster.device, ds.gather_pass_bytes(engine, numel, w)[0]) \
+        return memory_time_s(cluster.device, gather_pass_bytes(engine, numel, w)[0]) \
             if engine.zero3_gather_copy_out else 0.0
 
-    issue, launch, blocked = ds.gather_host_s(engine, n, cluster.device.op_overhead_s)
+    issue, launch, blocked = gather_host_s(engine, n, cluster.device.op_overhead_s)
 
     def reduce_s(numel: float, passes: float = 3.0) -> float:
         # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
@@ -129,7 +157,7 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         small = layer_small_numels(layer, c, graph, config) if engine.zero3_small_grad_hooks else []
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
         # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
-        norm = memory_time_s(cluster.device, ds.fetch_norm_bytes(engine, sum(numels), w))
+        norm = memory_time_s(cluster.device, fetch_norm_bytes(engine, sum(numels), w))
         layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
                                        - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full,
                                        small))

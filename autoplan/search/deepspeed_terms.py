@@ -14,6 +14,15 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import deepspeed as ds
+from autoplan.cost.deepspeedrank import (
+    fetch_norm_bytes,
+    gather_host_s,
+    gather_pass_bytes,
+    layer_numels,
+    layer_small_numels,
+    weight_count,
+    weight_numels,
+)
 from autoplan.cost.kernels import memory_time_s
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
@@ -33,7 +42,6 @@ def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, 
     regather_list_ops once per step); with zero3_small_grad_hooks the share of the gradient elements whose
     bucket is flushed just before a fetch (ds_fetch_wait_share: cost.zero3_grads.fetch_wait_share). Each
     distinct (tp, data-parallel size) priced once."""
-    from autoplan.cost.deepspeedrank import layer_numels, layer_small_numels
     from autoplan.cost.zero3_grads import fetch_wait_share
 
     block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
@@ -67,8 +75,6 @@ def max_param_numel(graph: LayerGraph, table: np.ndarray, key_of: np.ndarray, tp
     rank.max_param_numel over the graph's layers: cost.deepspeedrank.weight_numels of each kind of layer's
     dense + expert elements, layer-table columns `cols`, at the candidate's tp), from the layer table
     [keys, layers, fields] and each candidate's key `key_of`."""
-    from autoplan.cost.deepspeedrank import weight_numels
-
     key_tp = np.ones(table.shape[0])
     key_tp[key_of] = tp
     best = np.zeros(table.shape[0])
@@ -84,8 +90,6 @@ def max_param_numel(graph: LayerGraph, table: np.ndarray, key_of: np.ndarray, tp
 def block_weights(graph: LayerGraph) -> float:
     """The parameter tensors DeepSpeed gathers per block (cost.deepspeedrank.weight_count of the first
     block: a GPT block's 4, a SwiGLU block's 5); 1 without blocks."""
-    from autoplan.cost.deepspeedrank import weight_count
-
     block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
     return float(weight_count(block, graph)) if block is not None else 1.0
 
@@ -113,7 +117,7 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     small gradient's hook flushes just before a fetch (cost.zero3_grads.fetch_wait_share), reduced beside
     nothing. The sub-modules of a rank: its blocks' weight tensors (extra["ds_block_weights"], block_weights)
     and one per other layer (cost.deepspeedrank.weight_numels), priced as equal; each gather's zero fill and
-    copy-out (cost.deepspeed.gather_pass_bytes) and each fetch's norm (fetch_norm_bytes) as the exact model's."""
+    copy-out (cost.deepspeedrank.gather_pass_bytes) and each fetch's norm (fetch_norm_bytes) as the exact model's."""
     if not mask.any():
         return dp_f, dp_b
     dense = f["dense_params"] + f["expert_params"]
@@ -121,11 +125,11 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     blocks = np.asarray(extra.get("rank_blocks", layers), dtype=float)
     modules = blocks * extra.get("ds_block_weights", 4.0) + (layers - blocks)
     gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
-    fill, copy = ds.gather_pass_bytes(engine, dense / modules, w)  # the zero fill before, the copy-out after
+    fill, copy = gather_pass_bytes(engine, dense / modules, w)  # the zero fill before, the copy-out after
     one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster) + memory_time_s(cluster.device,
                                                                                                       copy)
     n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
-    before, after, blocked = ds.gather_host_s(engine, n, cluster.device.op_overhead_s)
+    before, after, blocked = gather_host_s(engine, n, cluster.device.op_overhead_s)
     before = before + memory_time_s(cluster.device, fill)
     red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
     buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
@@ -134,7 +138,7 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
     host_f, host_r, host_b = ds.host_shares(f["host"] if ds.sync_adds_host(engine) else 0.0 * one, full)
     # the recomputed forward runs in the backward; each fetch's norm (fetch_norm_bytes) joins the compute
-    norm = memory_time_s(cluster.device, ds.fetch_norm_bytes(engine, dense, w))
+    norm = memory_time_s(cluster.device, fetch_norm_bytes(engine, dense, w))
     host_f, host_b = host_f + norm, host_r + host_b + norm * (1.0 + full)
     if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
         exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,

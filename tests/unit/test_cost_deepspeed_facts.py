@@ -13,7 +13,14 @@ from test_cost_graph_helper import a100_cluster, gpt_graph
 
 from autoplan import cost
 from autoplan.cost import deepspeed as ds
-from autoplan.cost.deepspeedrank import layer_numels, weight_count, weight_numels
+from autoplan.cost.deepspeedrank import (
+    fetch_norm_bytes,
+    gather_host_s,
+    gather_pass_bytes,
+    layer_numels,
+    weight_count,
+    weight_numels,
+)
 from autoplan.graph.types import LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig
@@ -51,12 +58,12 @@ def test_gather_host_seconds_by_hand_for_floats_and_arrays() -> None:
     two thirds while it runs, 200 of them past the 1000-deep stream queue; none without the copy-out."""
     engine = Engine.load("deepspeed")
     want = (1200 / 3 * 1e-5, 1200 * 2 / 3 * 1e-5, 200 * 2 / 3 * 1e-5)
-    assert ds.gather_host_s(engine, 1200, 1e-5) == pytest.approx(want)
-    arrays = ds.gather_host_s(engine, np.array([[1200.0, 8.0]]), 1e-5)
+    assert gather_host_s(engine, 1200, 1e-5) == pytest.approx(want)
+    arrays = gather_host_s(engine, np.array([[1200.0, 8.0]]), 1e-5)
     for a, w, w8 in zip(arrays, want, (8 / 3 * 1e-5, 16 / 3 * 1e-5, 0.0)):
         np.testing.assert_allclose(a[0], [w, w8])
     off = dataclasses.replace(engine, zero3_gather_copy_out=False)
-    assert ds.gather_host_s(off, 1200, 1e-5) == (0.0, 0.0, 0.0)
+    assert gather_host_s(off, 1200, 1e-5) == (0.0, 0.0, 0.0)
 
 
 def test_weight_tensors_by_hand_gpt_and_swiglu() -> None:
@@ -102,14 +109,14 @@ def test_gather_passes_and_fetch_norm_bytes_by_hand() -> None:
     """1e6 elements at 2 bytes: a 2 MB zero fill before the gather, a 4 MB copy-out (read + write) after, a
     2 MB norm read per fetch; none with the fields off; arrays of parameters alike."""
     engine = Engine.load("deepspeed")
-    assert ds.gather_pass_bytes(engine, 1e6, 2.0) == (2e6, 4e6)
-    assert ds.fetch_norm_bytes(engine, 1e6, 2.0) == 2e6
-    fill, copy = ds.gather_pass_bytes(engine, np.array([1e6, 3e6]), 2.0)
+    assert gather_pass_bytes(engine, 1e6, 2.0) == (2e6, 4e6)
+    assert fetch_norm_bytes(engine, 1e6, 2.0) == 2e6
+    fill, copy = gather_pass_bytes(engine, np.array([1e6, 3e6]), 2.0)
     np.testing.assert_array_equal(fill, [2e6, 6e6])
     np.testing.assert_array_equal(copy, [4e6, 12e6])
     off = dataclasses.replace(engine, zero3_gather_copy_out=False, zero3_fetch_norm=False)
-    assert ds.gather_pass_bytes(off, 1e6, 2.0) == (0.0, 0.0)
-    assert ds.fetch_norm_bytes(off, 1e6, 2.0) == 0.0
+    assert gather_pass_bytes(off, 1e6, 2.0) == (0.0, 0.0)
+    assert fetch_norm_bytes(off, 1e6, 2.0) == 0.0
 
 
 @pytest.mark.parametrize("engine, mean, worst", [("deepspeed", 0.04, 0.08), ("deepspeed-2024", 0.075, 0.3)])
