@@ -61,7 +61,9 @@ import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+from autoplan.cost.compute import BACKWARD_OPS_PER_FORWARD_OP
 from autoplan.cost.zero3_grads import GPT_SMALL, Bucket, gpt_grad_hooks
 from autoplan.plan.engine import Engine
 
@@ -121,17 +123,26 @@ def block_modules(numels: Sequence[float], fwd_s: float, bwd_s: float, rec_s: fl
                   recompute: bool, small: Sequence[float] = ()) -> tuple[list[Module], list[Module]]:
     """(forward modules, recomputed-forward modules) of one layer, its time split by parameter share
     (the weight matmuls dominate a block's time; a layer with one module takes all of it). Host time
-    splits the same way over forward, recompute and backward (1 : 1 : 2, compute.BACKWARD_OPS_PER_FORWARD_OP).
+    splits over forward, recompute and backward as host_shares does, and over the modules the same way.
     `small`: the block's other parameters whose gradient hooks join the buckets (gpt_grad_hooks), or none."""
     total = sum(numels) or 1.0
-    host_f = host_s / (4.0 if recompute else 3.0)
+    host_f, _, host_b = host_shares(host_s, recompute)
     gpt = len(small) == len(GPT_SMALL) and len(numels) == 4
     hooks = gpt_grad_hooks(small) if gpt else [((), (), ())] * len(numels)
     mods = [Module(numel=n, fwd_s=fwd_s * n / total, bwd_s=bwd_s * n / total, host_fwd_s=host_f * n / total,
-                   host_bwd_s=2.0 * host_f * n / total, grads_before=b, grads_with=w, grads_after=a)
+                   host_bwd_s=host_b * n / total, grads_before=b, grads_with=w, grads_after=a)
             for n, (b, w, a) in zip(numels, hooks)]
     recs = [Module(numel=n, fwd_s=rec_s * n / total, bwd_s=0.0, host_fwd_s=host_f * n / total) for n in numels]
     return mods, recs
+
+
+def host_shares(host_s: Any, recompute: Any) -> tuple[Any, Any, Any]:
+    """(forward, recomputed forward, backward) shares of a layer's host seconds `host_s` (floats, or numpy
+    arrays alike: the quick estimate's, search/deepspeed_terms.py; `recompute` a bool or a bool array):
+    1 : 1 : BACKWARD_OPS_PER_FORWARD_OP, the recomputed forward launching the forward's ops again and the
+    backward compute.BACKWARD_OPS_PER_FORWARD_OP per forward op (autograd's two gradient kernels per matmul)."""
+    fwd = host_s / (1.0 + recompute + BACKWARD_OPS_PER_FORWARD_OP)
+    return fwd, fwd * recompute, BACKWARD_OPS_PER_FORWARD_OP * fwd
 
 
 def microbatch_s(layers: Sequence[tuple[list[Module], list[Module]]], engine: Engine, *, recompute: bool,

@@ -6,7 +6,9 @@ work around the optimizer. The rank and its data-parallel groups are cost/datapa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
@@ -26,17 +28,35 @@ if TYPE_CHECKING:  # dataparallel.py re-exports this module's functions: a runti
 
 
 def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
-    """The weight matrices of a layer on this device (elements, after tp), in forward order: a block's
-    QKV, projection and n_mlp MLP matmuls (the remaining parameters, norms and biases, ride with the
-    projection); any other layer is one parameter."""
+    """The weight matrices of a layer on this device (elements, after tp), in forward order (weight_numels
+    of its dense and expert parameters)."""
+    return weight_numels(layer, graph, config.tp, float(cost.grad_param_count + cost.expert_param_count))
+
+
+def weight_numels(layer: Layer, graph: LayerGraph, tp: Any, params: Any) -> list[Any]:
+    """The parameter tensors DeepSpeed gathers one by one for a layer holding `params` elements on a device
+    (its LayerCost's grad_param_count + expert_param_count) at tensor-parallel degree `tp` (floats, or numpy
+    arrays alike: the quick estimate's, search/deepspeed_terms.py): a block's QKV, projection and n_mlp MLP
+    matmuls (the remaining parameters, norms and biases, ride with the projection; a block with routed
+    experts lists them last); any other layer is one parameter. weight_count(...) of them."""
     shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
     if shape is None or layer.role is not LayerRole.BLOCK:
-        return [float(cost.grad_param_count + cost.expert_param_count)]
-    t = config.tp
+        return [params]
+    t = tp
     qkv, proj = shape.h * shape.qkv_out_width / t, shape.h * shape.h / t
     mlp = [shape.h * shape.f / t] * (shape.n_mlp * shape.dense_mlps)
-    rest = max(cost.grad_param_count + cost.expert_param_count - qkv - proj - sum(mlp), 0.0)
+    rest = _nonnegative(params - qkv - proj - sum(mlp))
     return [qkv, proj + rest, *mlp] if shape.num_experts == 0 else [qkv, proj, *mlp, rest]
+
+
+def weight_count(layer: Layer, graph: LayerGraph) -> int:
+    """How many tensors weight_numels lists for `layer`: DeepSpeed's sub-module gathers per use of it."""
+    return len(weight_numels(layer, graph, 1, 0.0))
+
+
+def _nonnegative(x: Any) -> Any:
+    """max(x, 0) of a float or, elementwise, of a numpy array."""
+    return np.maximum(x, 0.0) if isinstance(x, np.ndarray) else max(x, 0.0)
 
 
 def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
@@ -59,6 +79,34 @@ def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config:
     return [rest / count] * count if count else []
 
 
+def gather_host_s(engine: Engine, n: Any, op_s: float) -> tuple[Any, Any, Any]:
+    """The host seconds of one parameter's gather over n ranks with zero3_gather_copy_out (none without):
+    (before it is enqueued: the n Python narrows, deepspeed.VIEW_OP each; while it runs: the n copy-out
+    launches, CXX_COPY_OP each; of those, the ones past the stream's PENDING_LAUNCHES queue, which follow its
+    end), at op_s (device.op_overhead_s) per eager op; n a number or a numpy array (the quick estimate's)."""
+    op = op_s if engine.zero3_gather_copy_out else 0.0
+    past = n - ds.PENDING_LAUNCHES
+    past = np.maximum(past, 0) if isinstance(past, np.ndarray) else max(past, 0)
+    return ds.VIEW_OP * n * op, ds.CXX_COPY_OP * n * op, ds.CXX_COPY_OP * past * op
+
+
+def gather_pass_bytes(engine: Engine, numel: Any, w: float) -> tuple[Any, Any]:
+    """The device bytes of one gathered parameter of `numel` elements at w bytes each besides the collective,
+    with zero3_gather_copy_out (none without; numel a number or a numpy array): (the zero fill of its output,
+    torch.zeros(aligned_param_size), which the device synchronize before the gather waits for: one write;
+    the copy of the flat result into the n outputs, on the communication stream after it: a read and a
+    write), partition_parameters.py _allgather_param as cost/deepspeed.py's docstring reads it."""
+    on = 1.0 if engine.zero3_gather_copy_out else 0.0
+    return on * numel * w, on * 2.0 * numel * w
+
+
+def fetch_norm_bytes(engine: Engine, numel: Any, w: float) -> Any:
+    """With zero3_fetch_norm, the bytes each fetch of a layer's `numel` gathered elements reads once more
+    (stage3.py fetch_sub_module's param.norm() in its debug print, evaluated whatever the log level); none
+    without. numel a number or a numpy array."""
+    return w * numel if engine.zero3_fetch_norm else 0.0 * numel
+
+
 def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, engine: Engine,
                    groups: DpGroups) -> None:
     """Replace the rank's per-microbatch forward and backward by DeepSpeed stage 3's timeline
@@ -78,18 +126,16 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     def gather_s(numel: float) -> float:
         t = comm.all_gather_s(numel * w, groups.dense, cluster)
         if engine.zero3_gather_copy_out:  # the n copies out of the flat result read and write it once
-            t += memory_time_s(cluster.device, 2.0 * numel * w)
+            t += memory_time_s(cluster.device, gather_pass_bytes(engine, numel, w)[1])
         return t
 
     def fill_s(numel: float) -> float:
         # partition_parameters.py _allgather_param: torch.zeros(aligned_param_size) on the comm stream, then
         # torch.cuda.synchronize() before the all_gather: the fill is waited for, not overlapped
-        return memory_time_s(cluster.device, numel * w) if engine.zero3_gather_copy_out else 0.0
+        return memory_time_s(cluster.device, gather_pass_bytes(engine, numel, w)[0]) \
+            if engine.zero3_gather_copy_out else 0.0
 
-    op = cluster.device.op_overhead_s
-    issue = ds.VIEW_OP * n * op if engine.zero3_gather_copy_out else 0.0
-    launch = ds.CXX_COPY_OP * n * op if engine.zero3_gather_copy_out else 0.0
-    blocked = ds.CXX_COPY_OP * max(n - ds.PENDING_LAUNCHES, 0) * op if engine.zero3_gather_copy_out else 0.0
+    issue, launch, blocked = gather_host_s(engine, n, cluster.device.op_overhead_s)
 
     def reduce_s(numel: float, passes: float = 3.0) -> float:
         # all_reduce: stage3.py buffered_reduce_fallback -> allreduce_and_copy on the reduction stream:
@@ -111,7 +157,7 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         small = layer_small_numels(layer, c, graph, config) if engine.zero3_small_grad_hooks else []
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
         # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
-        norm = memory_time_s(cluster.device, w * sum(numels)) if engine.zero3_fetch_norm else 0.0
+        norm = memory_time_s(cluster.device, fetch_norm_bytes(engine, sum(numels), w))
         layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
                                        - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full,
                                        small))

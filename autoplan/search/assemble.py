@@ -188,9 +188,8 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     # asynchronous reductions), where any candidate reduces asynchronously
     floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce_all + stream, 0.0)) if np.any(asyn) else None)
     deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
-    flushed = np.asarray(extra.get("ds_fetch_wait_share", 0.0), dtype=float).reshape(-1, 1)
     dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac,
-                            flushed)
+                            extra)
     x = f["time"] + hops + dp_f + dp_b
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)

@@ -14,6 +14,16 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import deepspeed as ds
+from autoplan.cost.deepspeedrank import (
+    fetch_norm_bytes,
+    gather_host_s,
+    gather_pass_bytes,
+    layer_numels,
+    layer_small_numels,
+    weight_count,
+    weight_numels,
+)
+from autoplan.cost.kernels import memory_time_s
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Recompute
@@ -32,7 +42,6 @@ def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, 
     regather_list_ops once per step); with zero3_small_grad_hooks the share of the gradient elements whose
     bucket is flushed just before a fetch (ds_fetch_wait_share: cost.zero3_grads.fetch_wait_share). Each
     distinct (tp, data-parallel size) priced once."""
-    from autoplan.cost.deepspeedrank import layer_numels, layer_small_numels
     from autoplan.cost.zero3_grads import fetch_wait_share
 
     block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
@@ -60,22 +69,29 @@ def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, 
     return out
 
 
-def max_param_numel(graph: Any, tp: np.ndarray) -> np.ndarray:
-    """The largest single weight matrix a device holds (cost.deepspeedrank.layer_numels' rule: a block's
-    QKV, projection or MLP matmul after tp; any other layer is one parameter, vocab-parallel over tp)."""
-    from autoplan.cost.compute import block_shape
+def max_param_numel(graph: LayerGraph, table: np.ndarray, key_of: np.ndarray, tp: np.ndarray,
+                    cols: tuple[int, int]) -> np.ndarray:
+    """Per candidate, the largest single parameter tensor a device gathers (the exact model's
+    rank.max_param_numel over the graph's layers: cost.deepspeedrank.weight_numels of each kind of layer's
+    dense + expert elements, layer-table columns `cols`, at the candidate's tp), from the layer table
+    [keys, layers, fields] and each candidate's key `key_of`."""
+    key_tp = np.ones(table.shape[0])
+    key_tp[key_of] = tp
+    best = np.zeros(table.shape[0])
+    seen: set[str] = set()
+    for i, layer in enumerate(graph.layers):
+        if layer.kind not in seen:  # every layer of a kind has its kind's table values (layer_table)
+            seen.add(layer.kind)
+            params = table[:, i, cols[0]] + table[:, i, cols[1]]
+            best = np.maximum.reduce([best, *np.broadcast_arrays(*weight_numels(layer, graph, key_tp, params))])
+    return best[key_of]
 
-    out = np.zeros(len(tp))
-    for t in np.unique(tp).tolist():
-        best = 0.0
-        for layer in graph.layers:
-            shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-            if shape is not None and layer.role is LayerRole.BLOCK:
-                best = max(best, shape.h * max(shape.qkv_out_width, shape.h, shape.f) / t)
-            else:
-                best = max(best, layer.num_params / (t if layer.role in (LayerRole.EMBEDDING, LayerRole.HEAD) else 1))
-        out[tp == t] = best
-    return out
+
+def block_weights(graph: LayerGraph) -> float:
+    """The parameter tensors DeepSpeed gathers per block (cost.deepspeedrank.weight_count of the first
+    block: a GPT block's 4, a SwiGLU block's 5); 1 without blocks."""
+    block = next((layer for layer in graph.layers if layer.role is LayerRole.BLOCK), None)
+    return float(weight_count(block, graph)) if block is not None else 1.0
 
 
 def _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine) -> np.ndarray:
@@ -92,31 +108,38 @@ def _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine) -> np.
     return out
 
 
-def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac, flushed=0.0):
+def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, frac, extra):
     """DeepSpeed stage 3 (cost/deepspeed.py) for equal layers: each layer's parameters gathered in forward,
     again for a full recompute, again in backward, the buckets reduced as they fill; the host launches of
     the copy-out delay the compute. With prefetch (param_gather_overlap and zero3_trace_aligned) one sub-
     module ahead; without, each gather is waited for and each bucket's reduction hides behind the next
-    backward sub-module's compute (_deepspeed_serial), but for the share `flushed` that a small gradient's hook
-    flushes just before a fetch (cost.zero3_grads.fetch_wait_share), reduced beside nothing."""
+    backward sub-module's compute (_deepspeed_serial), but for the share extra["ds_fetch_wait_share"] that a
+    small gradient's hook flushes just before a fetch (cost.zero3_grads.fetch_wait_share), reduced beside
+    nothing. The sub-modules of a rank: its blocks' weight tensors (extra["ds_block_weights"], block_weights)
+    and one per other layer (cost.deepspeedrank.weight_numels), priced as equal; each gather's zero fill and
+    copy-out (cost.deepspeedrank.gather_pass_bytes) and each fetch's norm (fetch_norm_bytes) as the exact model's."""
     if not mask.any():
         return dp_f, dp_b
     dense = f["dense_params"] + f["expert_params"]
-    modules = 4.0 * layers  # a block's weight matrices
+    flushed = np.asarray(extra.get("ds_fetch_wait_share", 0.0), dtype=float).reshape(-1, 1)
+    blocks = np.asarray(extra.get("rank_blocks", layers), dtype=float)
+    modules = blocks * extra.get("ds_block_weights", 4.0) + (layers - blocks)
     gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
-    one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster)
+    fill, copy = gather_pass_bytes(engine, dense / modules, w)  # the zero fill before, the copy-out after
+    one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster) + memory_time_s(cluster.device,
+                                                                                                      copy)
     n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
-    op = cluster.device.op_overhead_s if engine.zero3_gather_copy_out else 0.0
-    before, after = ds.VIEW_OP * n * op, ds.CXX_COPY_OP * n * op
-    blocked = ds.CXX_COPY_OP * np.maximum(n - ds.PENDING_LAUNCHES, 0.0) * op
+    before, after, blocked = gather_host_s(engine, n, cluster.device.op_overhead_s)
+    before = before + memory_time_s(cluster.device, fill)
     red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
     buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
     red = collective_s(red_fn, sizes, ("dp", "ep", "cp"), dense / buckets * wire, cluster) * buckets
     # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
     full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
-    share = np.where(full, 0.25, 1.0 / 3.0)  # forward : recompute : backward host = 1 : 1 : 2 (block_modules)
-    host_f = f["host"] * share if ds.sync_adds_host(engine) else 0.0 * one
-    host_b = f["host"] - host_f if ds.sync_adds_host(engine) else 0.0 * one
+    host_f, host_r, host_b = ds.host_shares(f["host"] if ds.sync_adds_host(engine) else 0.0 * one, full)
+    # the recomputed forward runs in the backward; each fetch's norm (fetch_norm_bytes) joins the compute
+    norm = memory_time_s(cluster.device, fetch_norm_bytes(engine, dense, w))
+    host_f, host_b = host_f + norm, host_r + host_b + norm * (1.0 + full)
     if not (engine.param_gather_overlap and engine.zero3_trace_aligned):
         exp_f, exp_b, hidden = _deepspeed_serial(f["time"] - f["fwd"] + host_b, one, before,
                                                  np.maximum(after, one + blocked), red, buckets, modules, gathers,

@@ -22,7 +22,7 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig, Schedule
 from autoplan.search.assemble import assemble_shared, microbatches
-from autoplan.search.deepspeed_terms import _deepspeed_step_terms, max_param_numel
+from autoplan.search.deepspeed_terms import _deepspeed_step_terms, block_weights, max_param_numel
 from autoplan.search.layercache import layer_costs
 from autoplan.search.pricing import Pricing, int_codes
 from autoplan.search.rootunit import ROOT_PER_KEY, rank_roots
@@ -171,7 +171,8 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
     for j, name in enumerate(SUMMED):
         np.cumsum(table[:, :, FIELDS.index(name)], axis=1, out=cum[:, 1:, j])
     v_shape = ((c["schedule"] == SCHEDULES.index(Schedule.ZERO_BUBBLE)) & (c["virtual_stages"] == 2)).astype(int)
-    max_numel = max_param_numel(graph, c["tp"])
+    max_numel = max_param_numel(graph, table, key_of, c["tp"],
+                                (FIELDS.index("dense_params"), FIELDS.index("expert_params")))
     prices: dict = {}  # every collective priced once per quick estimate (search/pricing.py)
     for idx in _pipeline_shapes(c["pp"], c["virtual_stages"], v_shape):
         pp, v = int(c["pp"][idx[0]]), int(c["virtual_stages"][idx[0]])
@@ -195,7 +196,8 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                      "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]],
                      **{k: shape[k][key[first]] for k in ROOT_PER_KEY},
                      **{k: shape[k] for k in ("root_layers", "rank_blocks", "head_and_block")},
-                     "seq_len": graph.seq_len, "hidden": block_hidden(graph.layers)}
+                     "seq_len": graph.seq_len, "hidden": block_hidden(graph.layers),
+                     "ds_block_weights": block_weights(graph)}
             if per_step is not None:
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}

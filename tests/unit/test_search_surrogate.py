@@ -60,12 +60,13 @@ def _models():
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@pytest.mark.parametrize("engine", ["autoplan", "megatron-core", "deepspeed"])
+@pytest.mark.parametrize("engine", ["autoplan", "megatron-core", "deepspeed", "deepspeed-2024"])
 def test_quick_estimate_is_the_exact_model(dtype: str, engine: str) -> None:
     """Property over random candidates of random models, dtypes and engines: the quick memory is the
     exact model's to 0.5 % (it is built from the same functions), and the quick times rank the
-    candidates as the exact ones do (Spearman >= 0.95; no pair whose exact times differ by more than
-    25 % swaps)."""
+    candidates as the exact ones do (Spearman >= 0.95, >= 0.99 for the DeepSpeed engines, whose quick
+    stage 3 counts the exact model's sub-modules: 0.9898 / 0.9907 at worst when it took 4 a layer; no pair
+    whose exact times differ by more than 25 % swaps)."""
     rng = np.random.default_rng(zlib.crc32(f"{dtype}/{engine}".encode()))  # str hash() is salted per run
     eng = cost.with_engine(Engine.load(engine))
     for graph in _models():
@@ -78,7 +79,7 @@ def test_quick_estimate_is_the_exact_model(dtype: str, engine: str) -> None:
         assert np.abs(mem - 1).max() < 0.005, (graph.model_name, mem.min(), mem.max())
         t_exact = np.array([e.step_time_s for e in exact])
         t_quick = quick.step_time_s[rows]
-        assert scipy.stats.spearmanr(t_exact, t_quick).statistic >= 0.95
+        assert scipy.stats.spearmanr(t_exact, t_quick).statistic >= (0.99 if engine.startswith("deepspeed") else 0.95)
         far = np.abs(np.log(t_exact[:, None] / t_exact[None, :])) > np.log(1.25)
         swapped = np.sign(t_exact[:, None] - t_exact[None, :]) != np.sign(t_quick[:, None] - t_quick[None, :])
         assert not (far & swapped).any()
