@@ -98,9 +98,10 @@ def test_the_quick_estimate_share_is_the_elements_flushed_before_a_fetch() -> No
 def test_exact_and_quick_estimates_grow_with_the_exposed_buckets() -> None:
     """A small GPT under the 2021 engine with 1e6-element buckets (its weights 0.75-3 M elements, so a
     bucket per weight as at 530B), every ZeRO-3 candidate without pipeline: both models slower with the
-    field on, the quick one (equal sub-modules, one share of the buckets exposed) by 0.59-1.05 x the exact
-    one's growth on these four rows (measured; bound 0.55-1.10: the quick estimate's equal-share
-    approximation, not a property of the mechanism)."""
+    field on, the quick one (equal sub-modules, one share of the buckets exposed) by 0.82-1.43 x the exact
+    one's growth on these four rows (measured since the quick estimate counts the sub-modules per block as the
+    exact model does, cost.deepspeedrank.weight_numels; bound 0.75-1.50: the quick estimate's equal-share
+    approximation, not a property of the mechanism), while the steps themselves agree within 3 %."""
     from autoplan.search.space import SearchOptions, enumerate_space
 
     graph = gpt_graph(h=512, a=8, layers=4, seq=512, vocab=4096)
@@ -114,4 +115,5 @@ def test_exact_and_quick_estimates_grow_with_the_exposed_buckets() -> None:
                                     for eng in (on, dataclasses.replace(on, zero3_small_grad_hooks=False)))
     assert np.all(e_on > e_off) and np.all(q_on > q_off)
     ratio = (q_on - q_off) / (e_on - e_off)
-    assert np.all((ratio > 0.55) & (ratio < 1.10)), ratio  # measured 0.590 .. 1.054 on these rows, +-0.04 margin
+    assert np.all((ratio > 0.75) & (ratio < 1.50)), ratio  # measured 0.818 .. 1.435 on these rows, margin 0.07
+    assert np.all(np.abs(q_on / e_on - 1.0) < 0.03), q_on / e_on  # measured within 2.1 %
