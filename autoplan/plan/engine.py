@@ -215,7 +215,8 @@ class Engine:
         return engine_names()
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """JSON-native fields (zero_stages as a list; from_dict takes it back as the tuple)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Engine:
