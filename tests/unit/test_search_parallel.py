@@ -71,7 +71,9 @@ def test_the_search_hides_the_old_heap_from_the_collector_and_gives_it_back(monk
     try:
         frozen = gc.get_freeze_count()
         search_module.search(graph, cluster, SearchOptions(global_batch=8, top_k=1))
-        assert gc.get_freeze_count() == frozen
+        # neither unfrozen (0) nor frozen again (more): frozen objects can still die by reference count while
+        # the search runs, so the count may only fall (an exact == failed under load)
+        assert 0 < gc.get_freeze_count() <= frozen
     finally:
         gc.unfreeze()
 
