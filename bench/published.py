@@ -105,9 +105,9 @@ def embeddings_weighted_stages(graph: LayerGraph, num_stages: int) -> tuple[tupl
 
 
 def engine_of(rec: dict) -> Engine:
-    """The record's engine with its overrides (a JSON list, e.g. zero_stages, as the tuple the Engine holds)."""
-    overrides = {k: tuple(v) if isinstance(v, list) else v for k, v in rec.get("engine_overrides", {}).items()}
-    return dataclasses.replace(Engine.load(rec["engine"]), **overrides)
+    """The record's engine with its overrides (a JSON list such as zero_stages becomes the Engine's tuple in
+    Engine.__post_init__)."""
+    return dataclasses.replace(Engine.load(rec["engine"]), **rec.get("engine_overrides", {}))
 
 
 def predict(rec: dict) -> Result:

@@ -194,9 +194,7 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     # FSDP2's groups (cost/fsdpunits.py); a rank running several chunks has one root group per chunk: not
     # modelled, each layer then moves its own
     units = unit_numels(rank.layers, dense, engine) if engine.zero3 == "fsdp2" and config.virtual_stages == 1 else None
-    gather_f = list(units.fwd_gather) if units else dense
-    gather_b = list(units.bwd_gather) if units else dense
-    reduced = list(units.reduce) if units else dense
+    gather_f, gather_b, reduced = (units.fwd_gather, units.bwd_gather, units.reduce) if units else (dense, dense, dense)
 
     def gathers(order: Sequence[int], numels: Sequence[float]) -> list[float]:
         return [comm.all_gather_s(numels[i] * w, groups.dense, cluster)
@@ -220,10 +218,13 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     # FSDP2 copies each gathered block out of the all-gather buffer into its parameters on the compute
     # stream (torch.distributed.fsdp _fsdp_param_group.wait_for_unshard -> foreach_all_gather_copy_out):
     # a read and a write of the unsharded weights per gather
-    copy_out = memory_time_s(cluster.device, 2.0 * w * (sum(dense) + sum(expert))) if engine.gather_copy_out else 0.0
-    copy_out_b = (memory_time_s(cluster.device, 2.0 * w * (sum(gather_b) + sum(expert))) if engine.gather_copy_out
-                  else 0.0)  # the backward's gathers only (fsdpunits: a root or last block kept gathered)
-    copy_in = reduce_copy_in_s(sum(dense) + sum(expert), cluster, layout, engine)
+    def copy_out_s(numels: Sequence[float]) -> float:
+        return memory_time_s(cluster.device, 2.0 * w * (sum(numels) + sum(expert))) if engine.gather_copy_out else 0.0
+
+    local = sum(dense) + sum(expert)
+    copy_out = copy_out_s(dense)
+    copy_out_b = copy_out_s(gather_b)  # the backward's gathers only (fsdpunits: a root or last block kept gathered)
+    copy_in = reduce_copy_in_s(local, cluster, layout, engine)
     dp_f = dp_b = 0.0
     if async_reduce(layout, engine):
         post = reduces(back)
@@ -246,8 +247,8 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     rank.fwd += dp_f
     rank.bwd += dp_b
     if not layout.reduce_every_microbatch:
-        rank.dp_tail += (copy_in + ddp_grad_passes_s(sum(dense) + sum(expert), cluster, layout, engine)
-                         + grad_buffer_passes_s(sum(dense) + sum(expert), cluster, config, layout, engine))
+        rank.dp_tail += (copy_in + ddp_grad_passes_s(local, cluster, layout, engine)
+                         + grad_buffer_passes_s(local, cluster, config, layout, engine))
         if engine.dp_comm_overlap and engine.grad_sync_per_chunk and chunksync.applies(
                 config.pp, config.virtual_stages, rank.index):
             spans = chunksync.chunk_spans(rank.chunks)
@@ -257,8 +258,7 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
         elif engine.dp_comm_overlap:
             rank.dp_tail += _overlap(bwd[::-1], none, reduces(back), True, True, cluster, frac)
         else:
-            rank.dp_tail += (reduce_fn(sum(dense) * wire, groups.dense, cluster)
-                             + reduce_fn(sum(expert) * wire, groups.expert, cluster))
+            rank.dp_tail += whole(range(len(fwd)), reduce_fn, wire)
     if layout.weight_gathers_per_step:
         rank.param_gather += copy_out
         if (engine.param_gather_overlap and engine.param_gather_per_chunk and len(rank.chunks) > 1
@@ -271,8 +271,7 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
         elif engine.param_gather_overlap:
             rank.param_gather += _overlap(fwd, gathers(order, gather_f), none, True, True, cluster, frac)
         else:
-            rank.param_gather += (comm.all_gather_s(sum(dense) * w, groups.dense, cluster)
-                                  + comm.all_gather_s(sum(expert) * w, groups.expert, cluster))
+            rank.param_gather += whole(range(len(fwd)), comm.all_gather_s, w)
 
 
 def async_reduce(layout: ZeroLayout, engine: Engine) -> bool:

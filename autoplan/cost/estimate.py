@@ -27,7 +27,7 @@ from autoplan.cost.hetero import default_split, rank_clusters
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import estimate_layer
 from autoplan.cost.memory import rank_memory, state_bytes_per_param
-from autoplan.cost.p2p import StageEnv, add_hop, chunk_slots_s, pp_recv_gather_s
+from autoplan.cost.p2p import StageEnv, add_hop, chunk_slots_s, p2p_overlapped, pp_recv_gather_s
 from autoplan.cost.pipeline import chunks_per_rank, pipeline_time_s, reduce_stream_floor_s
 from autoplan.cost.stages import check_config, check_stages
 from autoplan.cost.timeline import shared_cores_pipeline_time_s
@@ -119,12 +119,15 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     env_of = [envs[id(view)] for view in views]
     ranks = [Rank(index=k) for k in range(p)]
     by_name = {layer.name: layer for layer in graph.layers}
+    overlapped = p2p_overlapped(engine, config.schedule, config.virtual_stages)
     for i, names in enumerate(stages):
         add_layers(ranks[placement[i]], [env_of[placement[i]].costs[n] for n in names], [by_name[n] for n in names])
         if i + 1 < len(stages) and placement[i + 1] != placement[i]:
             sender, receiver = env_of[placement[i]].costs, env_of[placement[i + 1]].costs
+            slots = (chunk_slots_s([sender[n] for n in names], [receiver[n] for n in stages[i + 1]])
+                     if overlapped else (0.0, 0.0))  # read by add_hop only where the p2p is overlapped
             add_hop(ranks, placement[i], placement[i + 1], env_of, sender[names[-1]].output_bytes, cluster, config,
-                    engine, chunk_slots_s([sender[n] for n in names], [receiver[n] for n in stages[i + 1]]))
+                    engine, slots)
     deepspeed = config.zero == 3 and engine.zero3 == "deepspeed" and env_of[0].groups.dense.size > 1
     for rank, env in zip(ranks, env_of):
         if deepspeed:

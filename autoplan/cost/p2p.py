@@ -147,10 +147,11 @@ def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes
     forward). estimate_config passes the chunks beside the cut (chunk_slots_s)."""
     env_a, env_b = env_of[a], env_of[b]
     inter = crosses_groups(cluster, config, a, b)
-    sizes = (out_bytes, partition_meta_bytes(config.tp)) if partitioned(config, engine) else (out_bytes,)
+    part = partitioned(config, engine)
+    sizes = (out_bytes, partition_meta_bytes(config.tp)) if part else (out_bytes,)
     hop = sum(link_p2p_s(n, cluster.inter_group) if inter else comm.p2p_s(n, env_a.pp_cross, env_a.view)
               for n in sizes)  # a partitioned transfer: its meta tensor, then the chunk, each a p2p of its own
-    if partitioned(config, engine):
+    if part:
         _add_partitioned(ranks, a, b, env_of, out_bytes, config)
     gather_fwd = pp_recv_gather_s(out_bytes, config, env_b.view, engine)
     gather_bwd = pp_recv_gather_s(out_bytes, config, env_a.view, engine)
@@ -167,8 +168,9 @@ def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes
         view = env_a.view
         frac = contention_fraction(view, comm.group_placement(config, ("pp",), view.devices_per_node))
         for k, slot in zip((a, b), slots):
-            ranks[k].p2p_hidden += overlapped_p2p_saving_s(hop, frac, slot)
-            ranks[k].pp -= overlapped_p2p_saving_s(hop, frac, slot)
+            saved = overlapped_p2p_saving_s(hop, frac, slot)
+            ranks[k].p2p_hidden += saved
+            ranks[k].pp -= saved
     elif not engine.pp_p2p_batched:
         for k in (a, b):
             ranks[k].recv_wait += hop

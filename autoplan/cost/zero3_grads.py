@@ -70,7 +70,6 @@ def fetch_wait_share(numels: Sequence[float], small: Sequence[float], limit: flo
     if len(small) != len(GPT_SMALL) or len(numels) != 4:
         return 0.0
     bucket, hooks = Bucket(limit=limit, reduce_s=lambda n: n), gpt_grad_hooks(small)
-    before = total = 0.0
     for _ in range(3):
         before = total = 0.0
         for numel, (pre, with_, after) in reversed(list(zip(numels, hooks))):

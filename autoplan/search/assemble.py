@@ -49,7 +49,7 @@ from autoplan.search.exposed import exposed
 from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import Mesh, Pricing, int_codes, per_mesh
 from autoplan.search.rootunit import quick_root, root_seconds
-from autoplan.search.schedules import Shared, by_schedule, shared_pipeline
+from autoplan.search.schedules import Shared, shared_pipeline
 
 _LAYOUT_FIELDS = ("shards_weights", "shards_gradients", "shards_optimizer", "reduce_every_microbatch",
                   "weight_gathers_per_microbatch", "weight_gathers_per_step")
@@ -82,24 +82,15 @@ def microbatches(c: dict[str, np.ndarray], global_batch: int) -> np.ndarray:
     return (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
 
 
-def assemble(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
-             c: dict[str, np.ndarray], pp: int, v: int, global_batch: int, cluster: ClusterSpec,
-             engine: Engine, pricing: Pricing | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(step time, peak memory, activations of the most loaded rank) per candidate. `f` holds the per-rank
-    sums [n, p] of the per-layer fields (time, fwd, bwd_weight, act, params, dense_params,
-    expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops, out_bytes, seq_len, hidden;
-    `pricing` what the collectives of one quick estimate share (search/pricing.py)."""
-    m = microbatches(c, global_batch)
-    shared = assemble_shared(f, layers_per_rank, extra, c, pp, v, cluster, engine, pricing, m=m)
-    return by_schedule(shared, None, c["schedule"], m, f["act"], extra["work"], pp, v)
-
-
 def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra: dict[str, np.ndarray],
                     c: dict[str, np.ndarray], pp: int, v: int, cluster: ClusterSpec, engine: Engine,
                     pricing: Pricing | None = None, *, m: np.ndarray | None = None) -> Shared:
-    """assemble's terms that do not depend on the schedule (search/schedules.py), per row of `c` (whose
-    schedule column is not read: rows equal but for it give the same terms); arguments as assemble's, `m`
-    each row's microbatches per step (needed with Engine.grad_freed_after_reduce)."""
+    """The step's terms that do not depend on the schedule (search/schedules.py by_schedule adds those), per
+    row of `c` (whose schedule column is not read: rows equal but for it give the same terms). `f` holds the
+    per-rank sums [n, p] of the per-layer fields (time, fwd, bwd_weight, act, params, dense_params,
+    expert_params); `extra` the per-rank maxima (max_params, work, max_numel), hops, out_bytes, seq_len,
+    hidden; `pricing` what the collectives of one quick estimate share (search/pricing.py); `m` each row's
+    microbatches per step (needed with Engine.grad_freed_after_reduce)."""
     lay = layouts(c, engine, cluster.dtype)
     if (engine.grad_freed_after_reduce or engine.hp_grads(cluster.dtype)) and "fresh" in f:  # as estimate.with_fresh_grads
         assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"

@@ -122,8 +122,8 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
         return dp_f, dp_b
     dense = f["dense_params"] + f["expert_params"]
     flushed = np.asarray(extra.get("ds_fetch_wait_share", 0.0), dtype=float).reshape(-1, 1)
-    blocks = np.asarray(extra.get("rank_blocks", layers), dtype=float)
-    modules = blocks * extra.get("ds_block_weights", 4.0) + (layers - blocks)
+    blocks = np.asarray(extra["rank_blocks"], dtype=float)
+    modules = blocks * extra["ds_block_weights"] + (layers - blocks)
     gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
     fill, copy = gather_pass_bytes(engine, dense / modules, w)  # the zero fill before, the copy-out after
     one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster) + memory_time_s(cluster.device,
