@@ -1,7 +1,7 @@
 """Data-parallel traffic of one pipeline rank as the engine runs its ZeRO layout (plan.layout.zero_layout):
 weight all-gathers and gradient reductions, per microbatch or per step, overlapped with the compute
 beside them or exposed, in the engine's buckets. DeepSpeed's stage 3 on a rank (deepspeed_rank,
-deepspeed_step_s, layer_numels, layer_small_numels) lives in cost/deepspeedrank.py and is re-exported here.
+deepspeed_step_s, layer_numels, layer_small_numels) lives in cost/deepspeedrank.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import chunksync, comm
-from autoplan.cost.deepspeedrank import deepspeed_rank, deepspeed_step_s, layer_numels, layer_small_numels
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.fsdpunits import unit_numels
 from autoplan.cost.gradpasses import (
@@ -30,8 +29,8 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import ZeroLayout
 from autoplan.plan.types import ParallelConfig
 
-__all__ = ["DpGroups", "Rank", "add_layers", "async_reduce", "async_reduce_s", "deepspeed_rank", "deepspeed_step_s",
-           "dp_fraction", "dp_groups", "layer_numels", "layer_small_numels", "rank_dp_times"]
+__all__ = ["DpGroups", "Rank", "add_layers", "async_reduce", "async_reduce_s", "dp_fraction", "dp_groups",
+           "rank_dp_times"]
 
 
 @dataclass(frozen=True, slots=True)

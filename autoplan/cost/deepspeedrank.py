@@ -6,7 +6,7 @@ work around the optimizer. The rank and its data-parallel groups are cost/datapa
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -14,6 +14,7 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.compute import block_shape
+from autoplan.cost.dataparallel import DpGroups, Rank
 from autoplan.cost.gradpasses import grad_wire_bytes, self_copy_passes
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.memory import state_bytes_per_param
@@ -22,9 +23,6 @@ from autoplan.cost.types import LayerCost
 from autoplan.graph.types import Layer, LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig
-
-if TYPE_CHECKING:  # dataparallel.py re-exports this module's functions: a runtime import would be circular
-    from autoplan.cost.dataparallel import DpGroups, Rank
 
 
 def layer_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:

@@ -102,6 +102,6 @@ def test_on_64_a100s_the_2024_step_is_faster_only_through_the_changed_mechanisms
     for fields in (MECHANISMS[0], MECHANISMS[2], MECHANISMS[3], MECHANISMS[5]):
         assert alone[fields] > 0, fields
     group = GroupPlacement(size=64, num_nodes=8, per_node=8)
-    wire = sum(comm.all_gather_s(2 * n, group, cluster) for x in graph.layers for n in cost.dataparallel.layer_numels(
+    wire = sum(comm.all_gather_s(2 * n, group, cluster) for x in graph.layers for n in cost.deepspeedrank.layer_numels(
         x, estimate_layer(x, cluster, config, "none", seq_len=2048), graph, config))
     assert alone[MECHANISMS[0]] <= 2 * wire

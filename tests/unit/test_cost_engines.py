@@ -237,7 +237,7 @@ def test_deepspeed_copy_out_costs_the_host_a_narrow_and_a_copy_per_rank() -> Non
     without, with_copy = (estimate_config(graph, cluster, config, global_batch=16,
                                           engine=dataclasses.replace(base, zero3_gather_copy_out=flag))
                           for flag in (False, True))
-    numels = [n for x in graph.layers for n in cost.dataparallel.layer_numels(
+    numels = [n for x in graph.layers for n in cost.deepspeedrank.layer_numels(
         x, estimate_layer(x, cluster, config, "none", seq_len=512), graph, config)]
     group = GroupPlacement(size=16, num_nodes=2, per_node=8)
     before, after = 16 * cost.deepspeed.VIEW_OP * 1e-5, 16 * cost.deepspeed.CXX_COPY_OP * 1e-5

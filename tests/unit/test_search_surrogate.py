@@ -105,10 +105,11 @@ def test_per_rank_sums_equal_the_einsum_over_the_placement_bit_for_bit() -> None
 @pytest.mark.parametrize("checks, regather", [(True, False), (False, True), (True, True)])
 def test_quick_deepspeed_step_terms_are_the_exact_ones_per_block(checks: bool, regather: bool) -> None:
     """The quick estimate's once-per-step DeepSpeed host work (surrogate._deepspeed_step_terms through
-    assemble._deepspeed_step) is cost.dataparallel.deepspeed_step_s over a rank of blocks: its list
+    assemble._deepspeed_step) is cost.deepspeedrank.deepspeed_step_s over a rank of blocks: its list
     gather's ops once (not once per block), its per-block ops and the re-gather's all-gather of all the
     blocks' persistent pieces, for 1, 3 and 6 blocks on dp = 8."""
-    from autoplan.cost.dataparallel import Rank, add_layers, deepspeed_step_s, dp_groups
+    from autoplan.cost.dataparallel import Rank, add_layers, dp_groups
+    from autoplan.cost.deepspeedrank import deepspeed_step_s
     from autoplan.search.assemble import _deepspeed_step, mesh_sizes
     from autoplan.search.surrogate import _deepspeed_step_terms
 
