@@ -66,6 +66,32 @@ CLIP_BYTES_PER_PARAM = 12
 GRAD_REDUCE_BYTES = {"fp8": 4, "bf16": 4, "fp16": 2, "tf32": 4, "fp32": 4}
 
 
+# DeepSpeed's BF16_Optimizer.step (Engine.hp_grads: deepspeed/runtime/bf16_optimizer.py, v0.6.2 = 56c522386 and
+# the bigscience branch olruwase/bf16-updates that BLOOM trained with, 0ad7c7d32, the same step) norms and clears
+# the fp32 gradients of the whole local model, not the data-parallel shard its Adam updates: get_global_norm_of_tensors(
+# get_grads_for_norm()) reads fp32_groups_gradients, every local parameter's (runtime/utils.py: `t.data.float().norm(2)`
+# per tensor), 4 bytes; clear_hp_grads zeroes fp32_groups_gradients_flat, the whole local buffer, 4 bytes written.
+# clip_tensors_by_global_norm scales them (`t.mul_(clip_coef)`) only when `clip_coef < 1`, i.e. a global norm above
+# gradient_clipping: BLOOM's logged steady-state norms are below its 1.0 (grad norm 0.765 at the GBS 16 step,
+# 0.132-0.150 at GBS 2048: bigscience tr11-176B-ml README / chronicles), so not priced. Counted on every local
+# parameter, though get_grads_for_norm skips a tied copy on all but the first of its stages (pipe/module.py
+# _index_tied_modules: ds_pipe_replicated) and, on tensor-parallel ranks but the first, the replicated
+# (non-model-parallel) parameters: 4 bytes per tied element on the last stage, which the first stage's
+# owner copy matches, so the step's maximum over ranks is the first stage's whenever their layers balance.
+HP_GRAD_STEP_BYTES = 4 + 4
+
+
+def optimizer_bytes(dtype: str, engine: Engine, shard: Any, local: Any) -> Any:
+    """Memory traffic of the optimizer step of a rank holding `local` parameters whose optimizer updates `shard`
+    of them: adam_bytes_per_param over the shard; under DeepSpeed's BF16_Optimizer (engine.hp_grads(dtype)) its
+    global norm over the shard (CLIP_BYTES_PER_PARAM) is replaced by HP_GRAD_STEP_BYTES over every local
+    parameter (the norm and clear_hp_grads). Scalars or numpy arrays (the quick estimate)."""
+    per = adam_bytes_per_param(dtype, engine)
+    if not engine.hp_grads(dtype):
+        return shard * per
+    return shard * (per - CLIP_BYTES_PER_PARAM) + local * HP_GRAD_STEP_BYTES
+
+
 def adam_bytes_per_param(dtype: str, engine: Engine) -> float:
     """Memory traffic of the optimizer step per local parameter (the passes above ADAM_BYTES_PER_PARAM).
     The master copy is separate when the engine keeps 16-bit model weights next to fp32 ones (Megatron,
@@ -252,11 +278,12 @@ def _layer_costs(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig
 
 def _optimizer_s(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layout, engine: Engine) -> float:
     """Adam over the local shard (params / d when the optimizer states are sharded), memory-bound:
-    adam_bytes_per_param per parameter at the device's streaming bandwidth."""
+    optimizer_bytes at the device's streaming bandwidth."""
     groups_dense = config.dp * config.ep * config.cp if layout.shards_optimizer else 1
     groups_expert = config.expert_dp if layout.shards_optimizer else 1  # dp * cp unfolded
-    local = rank.dense_params / groups_dense + rank.expert_params / groups_expert
-    return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
+    shard = rank.dense_params / groups_dense + rank.expert_params / groups_expert
+    local = rank.dense_params + rank.expert_params
+    return memory_time_s(cluster.device, optimizer_bytes(cluster.dtype, engine, shard, local))
 
 
 def _reduce_floor(ranks: list[Rank], config: ParallelConfig, m: int) -> float:
@@ -306,6 +333,6 @@ def _flops(graph: LayerGraph, config: ParallelConfig, global_batch: int,
     return model, model + hardware
 
 
-__all__ = ["ADAM_BYTES_PER_PARAM", "GRAD_REDUCE_BYTES", "UNFUSED_ADAM_BYTES_PER_PARAM", "DpGroups",
-           "adam_bytes_per_param", "estimate_config", "grad_wire_bytes", "pp_recv_gather_s", "step_tail_s",
-           "tied_grad_reduce_s", "tied_pair"]
+__all__ = ["ADAM_BYTES_PER_PARAM", "GRAD_REDUCE_BYTES", "HP_GRAD_STEP_BYTES", "UNFUSED_ADAM_BYTES_PER_PARAM",
+           "DpGroups", "adam_bytes_per_param", "estimate_config", "grad_wire_bytes", "optimizer_bytes",
+           "pp_recv_gather_s", "step_tail_s", "tied_grad_reduce_s", "tied_pair"]

@@ -19,7 +19,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
-from autoplan.cost.estimate import adam_bytes_per_param, fresh_grad_share
+from autoplan.cost.estimate import fresh_grad_share, optimizer_bytes
 from autoplan.cost.experts import expert_dp_placement
 from autoplan.cost.gradpasses import (
     ddp_grad_pass_bytes,
@@ -257,11 +257,12 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
 
 
 def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
-    """estimate._optimizer_s: Adam over the local shard at streaming bandwidth."""
+    """estimate._optimizer_s: Adam over the local shard (estimate.optimizer_bytes) at streaming bandwidth."""
     dense_n = np.where(lay["shards_optimizer"] > 0, c["dp"] * c["ep"] * c["cp"], 1)[:, None]
     expert_n = np.where(lay["shards_optimizer"] > 0, expert_dp_degree(c), 1)[:, None]
-    local = (f["dense_params"] / dense_n + f["expert_params"] / expert_n).max(axis=1)
-    return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
+    shard = f["dense_params"] / dense_n + f["expert_params"] / expert_n
+    local = f["dense_params"] + f["expert_params"]
+    return memory_time_s(cluster.device, optimizer_bytes(cluster.dtype, engine, shard, local).max(axis=1))
 
 
 def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
