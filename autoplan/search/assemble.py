@@ -46,7 +46,7 @@ from autoplan.search.collectives import (
 )
 from autoplan.search.deepspeed_terms import _deepspeed, _deepspeed_step
 from autoplan.search.exposed import exposed
-from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
+from autoplan.search.pipeline_terms import cut_p2p, nic_shared, pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import Mesh, Pricing, int_codes, per_mesh
 from autoplan.search.rootunit import quick_root, root_seconds
 from autoplan.search.schedules import Shared, shared_pipeline
@@ -104,7 +104,8 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
-    hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp, v)
+    p2p = cut_p2p(extra, c, sizes, cluster, engine, pp)  # a cut's transfers, for the hops and the NIC
+    hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, p2p, v)
     # FSDP2's root group (search/rootunit.py): the rank's own collectives over its blocks, the root's whole
     root = quick_root(extra, dense, layers, v, engine)
     units_l, own = (layers, dense) if root is None else (root.units, root.dense)
@@ -171,7 +172,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
     asyn = every & (gmb == 0) & engine.grad_reduce_async & engine.dp_comm_overlap
     per_mb = np.maximum(reduce_all - f["time"], 0.0) + frac * np.minimum(reduce_all, f["time"])
-    shared, stream = (nic_shared(reduce_all, f, extra, c, cluster, sizes, engine, pp) if np.any(asyn)
+    shared, stream = (nic_shared(reduce_all, f, extra, p2p, cluster, sizes) if np.any(asyn)
                       else (0.0, 0.0))  # cost.pipeline.nic_shared_reduce_s
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
     dp_b = np.where(asyn, per_mb + shared + copy_in, dp_b)
