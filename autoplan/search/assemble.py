@@ -37,12 +37,16 @@ from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig
 from autoplan.search.chunks import chunk_terms
 from autoplan.search.collectives import (
+    DENSE_DP,
     EXPERT_DP,
     _bucket_count,
     _bucketed_reduce,
+    by_layout,
     collective_s,
     expert_dp_degree,
     mesh_sizes,
+    reduce_s,
+    scatters,
 )
 from autoplan.search.deepspeed_terms import _deepspeed, _deepspeed_step
 from autoplan.search.exposed import exposed
@@ -98,7 +102,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
                                           cluster.dtype)
         f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
     sizes = mesh_sizes(c, pricing)
-    dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
+    dense_axes, expert_axes = DENSE_DP, EXPERT_DP
     w, g, o = state_bytes_per_param(cluster.dtype, engine)
     wire, dp_wire = grad_wire_bytes(cluster.dtype, engine), dp_wire_bytes(cluster.dtype, engine)
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
@@ -122,13 +126,12 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
         return tuple((collective_s(kind, sizes, axes, params / units_l * elem_bytes, cluster, per_class=True)
                       * units_l)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
 
-    (gather_d, gather_e), scatter = per_layer("ag", w), lay["reduce_scatter"][:, None] > 0
-    (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", dp_wire), per_layer("ar", dp_wire)
-    red_d, red_e = np.where(scatter, rs_d, ar_d), np.where(scatter, rs_e, ar_e)
+    gather_d, gather_e = per_layer("ag", w)
+    red_d, red_e = (by_layout(lay, rs, ar) for rs, ar in zip(per_layer("rs", dp_wire), per_layer("ar", dp_wire)))
     gather, rs_or_ar = gather_d + gather_e, red_d + red_e
     first = None if root is None else root_seconds(  # the root's (forward gather, backward gather, reduction)
         root, lambda n: collective_s("ag", sizes, dense_axes, n * w, cluster),
-        lambda n: np.where(scatter, *(collective_s(k, sizes, dense_axes, n * dp_wire, cluster) for k in ("rs", "ar"))))
+        lambda n: reduce_s(sizes, dense_axes, n * dp_wire, cluster, lay))
     dense_s = gather_d + red_d if first is None else gather_d + red_d + first[0] + first[2]
     frac, dense_frac = dp_fractions(sizes, cluster, dense_s, gather_e + red_e)
     reduce = _bucketed_reduce(rs_or_ar, own + expert, units_l, sizes, lay, dp_wire, cluster, engine)
@@ -140,10 +143,10 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     copy_out_b = (copy_out if root is None or not engine.gather_copy_out
                   else memory_time_s(cluster.device, 2.0 * w * root.bwd_gathered(expert)))
     # gradpasses.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
-    copy_in = np.where(lay["reduce_scatter"][:, None] > 0 if engine.reduce_scatter_copy_in else False,
+    copy_in = np.where(scatters(lay) if engine.reduce_scatter_copy_in else False,
                        memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
     # gradpasses.ddp_grad_passes_s: the DDP's flatten / divide / copy-back passes around a per-step all-reduce
-    ddp = np.where(lay["reduce_scatter"][:, None] == 0,  # at any group size, as the exact model
+    ddp = np.where(~scatters(lay),  # at any group size, as the exact model
                    memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine, dense + expert)
                                  * (dense + expert)), 0.0)
     if engine.grad_buffer_passes:  # gradpasses.grad_buffer_passes_s: the zero fill and the 1 / dp scale
@@ -205,7 +208,7 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
     `expert_s`), and the dense group's own (DeepSpeed's stage 3 prices it alone)."""
     per_node = cluster.devices_per_node
     fd = per_mesh(sizes, lambda config: contention_fraction(
-        cluster, comm.group_placement(config, ("dp", "ep", "cp"), per_node)), "dp-contention")[:, None]
+        cluster, comm.group_placement(config, DENSE_DP, per_node)), "dp-contention")[:, None]
     fe = per_mesh(sizes, lambda config: contention_fraction(cluster, expert_dp_placement(config, per_node)),
                   "edp-contention")[:, None]
     total = dense_s + expert_s
@@ -233,10 +236,10 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
         tail = tail if first is None else tail + first[2]
         tail = tail if chunked is None else np.where(chunked[0], chunked[1], tail)
     else:
-        d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
-        a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
+        # the experts' gradients all-reduced whatever the layout (cost.dataparallel.rank_dp_times' whole() takes
+        # the layout's reduce_fn for them too: a difference the quick estimate keeps)
         e = collective_s("ar", sizes, EXPERT_DP, expert * wire, cluster)
-        tail = np.where(lay["reduce_scatter"][:, None] > 0, d, a) + e
+        tail = reduce_s(sizes, DENSE_DP, dense * wire, cluster, lay) + e
     tail = tail + copy_in
     offsets = np.cumsum(bwd_all, axis=1) - bwd_all
     active = (once[:, 0] | (async_tail > 0).any(axis=1))[:, None]
@@ -244,7 +247,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     dp_tail = tied_tail(per_rank, offsets, tied, last_rank, engine.tied_reduce_before_dp)
     step_gather = lay["weight_gathers_per_step"][:, None] > 0
     if not engine.param_gather_overlap:
-        pg = collective_s("ag", sizes, ("dp", "ep", "cp"), dense * w, cluster) + copy_out
+        pg = collective_s("ag", sizes, DENSE_DP, dense * w, cluster) + copy_out
         return dp_tail + np.where(step_gather, pg, 0.0).max(axis=1)
     # the overlapped gather on the candidates that gather once per step only (each row's figures are its own)
     rows, slowest = np.nonzero(step_gather[:, 0])[0], np.zeros(len(dp_tail))

@@ -12,7 +12,7 @@ import numpy as np
 from autoplan.cost.chunksync import applies, later_gathers_s, rank_chunk_tail_s
 from autoplan.cost.estimate import fresh_grad_share
 from autoplan.plan.engine import Engine
-from autoplan.search.collectives import EXPERT_DP, _bucketed_reduce, collective_s
+from autoplan.search.collectives import DENSE_DP, EXPERT_DP, _bucketed_reduce, collective_s
 from autoplan.search.exposed import exposed
 
 
@@ -28,7 +28,7 @@ def chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, w, cluster, engine, m
         chunked = chunk_sync_tail(*chunk_inputs(extra, rs_or_ar, bucketed, lay, m, engine, cluster.dtype), frac, pp)
     if engine.param_gather_per_chunk and engine.param_gather_overlap and v > 1:
         gathered = chunk_gather_s(extra, lambda d, e, n: n * (
-            collective_s("ag", sizes, ("dp", "ep", "cp"), d / n * w, cluster)
+            collective_s("ag", sizes, DENSE_DP, d / n * w, cluster)
             + collective_s("ag", sizes, EXPERT_DP, e / n * w, cluster)), frac, pp)
         gathered = (lay["shards_gradients"][:, None] == 0, gathered)  # the distributed optimizer (ZeRO-1)
     return chunked, gathered

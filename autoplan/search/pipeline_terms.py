@@ -28,6 +28,7 @@ from autoplan.cost.p2p import (
 from autoplan.cost.pipeline import nic_shared_reduce_s
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Schedule
+from autoplan.search.collectives import DENSE_DP
 from autoplan.search.pricing import Mesh, config_of, per_mesh, price_rows
 from autoplan.search.space import SCHEDULES
 
@@ -156,7 +157,7 @@ def nic_shared(reduce: np.ndarray, f: dict[str, np.ndarray], extra: dict[str, np
     """cost.dataparallel._nic_shared (pipeline.nic_shared_reduce_s) per [candidate, rank]: where the dense data-parallel group crosses nodes,
     the CP exchange (where the cp group crosses them too) and the pipeline hops across nodes (nic_hops of
     cut_p2p's `p2p`) share its NIC."""
-    dp = crosses_s(sizes, ("dp", "ep", "cp"), cluster)[:, None]
+    dp = crosses_s(sizes, DENSE_DP, cluster)[:, None]
     nic_in = f["cp"] * crosses_s(sizes, ("cp",), cluster)[:, None] * dp
     nic_out = nic_hops(extra, p2p, sizes, cluster) * dp
     return nic_shared_reduce_s(reduce, f["time"], nic_in, nic_out)
