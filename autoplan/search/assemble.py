@@ -81,6 +81,16 @@ def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defer
     return tuple(float(getattr(lay, f)) for f in _LAYOUT_FIELDS) + (float(lay.grad_reduction == "reduce_scatter"),)
 
 
+def fresh_share(lay: dict[str, np.ndarray], m: np.ndarray | None, engine: Engine, dtype: str) -> np.ndarray | None:
+    """cost.estimate.fresh_grad_share per candidate [n, 1], where the engine frees or replaces the weight
+    gradients (Engine.grad_freed_after_reduce, hp_grads: the fresh-gradient saving comes off the backward);
+    None where it does not. `m`: each row's microbatches per step."""
+    if not (engine.grad_freed_after_reduce or engine.hp_grads(dtype)):
+        return None
+    assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
+    return fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine, dtype)
+
+
 def microbatches(c: dict[str, np.ndarray], global_batch: int) -> np.ndarray:
     """Microbatches per step of each candidate (ParallelConfig.num_microbatches), as floats."""
     return (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
@@ -96,10 +106,9 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     hidden; `pricing` what the collectives of one quick estimate share (search/pricing.py); `m` each row's
     microbatches per step (needed with Engine.grad_freed_after_reduce)."""
     lay = layouts(c, engine, cluster.dtype)
-    if (engine.grad_freed_after_reduce or engine.hp_grads(cluster.dtype)) and "fresh" in f:  # as estimate.with_fresh_grads
-        assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
-        cut = f["fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine,
-                                          cluster.dtype)
+    share = fresh_share(lay, m, engine, cluster.dtype)  # the rank's and its chunks' (search/chunks.py) backward
+    if share is not None and "fresh" in f:  # as estimate.with_fresh_grads
+        cut = f["fresh"] * share
         f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
     sizes = mesh_sizes(c, pricing)
     dense_axes, expert_axes = DENSE_DP, EXPERT_DP
@@ -188,7 +197,8 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     x = f["time"] + hops + dp_f + dp_b
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
-    chunked, step_gather = chunk_terms(extra, rs_or_ar, layers, sizes, lay, dp_wire, w, cluster, engine, m, frac, pp, v)
+    chunked, step_gather = chunk_terms(extra, rs_or_ar, layers, sizes, lay, dp_wire, w, cluster, engine, share, frac,
+                                       pp, v)
     once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, units_l, units, lay, engine, frac, sizes,
                        dense, expert, dp_wire, w, cluster, copy_in + ddp, async_tail, tied,
                        int(extra.get("last_rank", pp - 1)),
