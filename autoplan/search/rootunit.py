@@ -30,8 +30,10 @@ from autoplan.cost.fsdpunits import root_terms
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 
-# rank_roots' fields per layer-table key ([keys, p]; the others are per rank)
+# rank_roots' fields per layer-table key ([keys, p]; built where uses_roots) and per rank ([p]; always:
+# DeepSpeed's stage 3 reads rank_blocks too, search/deepspeed_terms.py)
 ROOT_PER_KEY = ("root_params", "root_fwd", "root_bwd", "lead_fwd", "tail_bwd")
+ROOT_SHARED = ("root_layers", "rank_blocks", "head_and_block")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,38 +65,52 @@ class QuickRoot:
         return self.dense - self.kept * self.dense / self.units + self.bwd_first + expert
 
 
+def uses_roots(engine: Engine, v: int) -> bool:
+    """Whether the quick estimate prices FSDP2's root group and kept last block for `engine` at `v` chunks
+    per rank (where the exact model has them, cost.dataparallel.rank_dp_times: FSDP2, one chunk per rank)
+    and they move anything (a root unit, or a last block kept gathered)."""
+    return (engine.zero3 == "fsdp2" and v == 1
+            and (engine.fsdp_root_unit or not engine.fsdp_last_block_reshards))
+
+
 def rank_roots(graph: LayerGraph, table: np.ndarray, keys: np.ndarray, bounds: np.ndarray,
-               ranks: tuple[int, ...], pp: int, cols: dict[str, int]) -> dict[str, np.ndarray]:
+               ranks: tuple[int, ...], pp: int, cols: dict[str, int], *, tables: bool = True) -> dict[str, np.ndarray]:
     """Per rank of one pipeline shape (stage s holds layers bounds[s]:bounds[s + 1], on rank ranks[s]), of
-    its non-block layers: dense elements, forward and backward seconds, those before its first block
-    (forward) and after its last (backward) [keys, p] (layer-table columns cols["dense"], ["fwd"],
-    ["time"]); its non-block layers and blocks [p], and whether it holds the head and a block [p]
-    (cost.fsdpunits.unit_numels' inputs)."""
-    out = {k: np.zeros((len(keys), pp)) for k in ROOT_PER_KEY}
+    its non-block layers: with `tables` (uses_roots; nothing else reads them), dense elements, forward and
+    backward seconds, those before its first block (forward) and after its last (backward) [keys, p]
+    (ROOT_PER_KEY, from layer-table columns cols["dense"], ["fwd"], ["time"]); always its non-block layers
+    and blocks [p], and whether it holds the head and a block [p] (ROOT_SHARED; cost.fsdpunits.unit_numels'
+    inputs)."""
+    out = {k: np.zeros((len(keys), pp)) for k in ROOT_PER_KEY} if tables else {}
     roots, blocks, head = np.zeros(pp), np.zeros(pp), np.zeros(pp)
     for s, r in enumerate(ranks):
         span = range(int(bounds[s]), int(bounds[s + 1]))
         held = [i for i in span if graph.layers[i].role is LayerRole.BLOCK]
         for i in (i for i in span if graph.layers[i].role is not LayerRole.BLOCK):
-            fwd, bwd = table[keys, i, cols["fwd"]], table[keys, i, cols["time"]] - table[keys, i, cols["fwd"]]
-            out["root_params"][:, r] += table[keys, i, cols["dense"]]
-            out["root_fwd"][:, r] += fwd
-            out["root_bwd"][:, r] += bwd
-            out["lead_fwd"][:, r] += fwd if not held or i < held[0] else 0.0
-            out["tail_bwd"][:, r] += bwd if held and i > held[-1] else 0.0
+            if tables:
+                _add_root_layer(out, table, keys, i, r, cols, held)
             roots[r] += 1.0
             head[r] = max(head[r], float(graph.layers[i].role is LayerRole.HEAD))
         blocks[r] += len(held)
     return {**out, "root_layers": roots, "rank_blocks": blocks, "head_and_block": head * (blocks > 0)}
 
 
+def _add_root_layer(out: dict[str, np.ndarray], table: np.ndarray, keys: np.ndarray, i: int, r: int,
+                    cols: dict[str, int], held: list[int]) -> None:
+    """Non-block layer i's terms added to rank r's ROOT_PER_KEY tables (`held`: the rank's stage's blocks)."""
+    fwd, bwd = table[keys, i, cols["fwd"]], table[keys, i, cols["time"]] - table[keys, i, cols["fwd"]]
+    out["root_params"][:, r] += table[keys, i, cols["dense"]]
+    out["root_fwd"][:, r] += fwd
+    out["root_bwd"][:, r] += bwd
+    out["lead_fwd"][:, r] += fwd if not held or i < held[0] else 0.0
+    out["tail_bwd"][:, r] += bwd if held and i > held[-1] else 0.0
+
+
 def quick_root(extra: dict[str, np.ndarray], dense: np.ndarray, layers: np.ndarray, v: int,
                engine: Engine) -> QuickRoot | None:
     """The terms where the exact model has them (FSDP2, one chunk per rank, rank_roots' fields in `extra`)
     and they move anything; `dense` [n, p] the rank's dense elements, `layers` [1, p] its layers."""
-    if engine.zero3 != "fsdp2" or v != 1 or "root_params" not in extra:
-        return None
-    if not engine.fsdp_root_unit and engine.fsdp_last_block_reshards:
+    if not uses_roots(engine, v) or "root_params" not in extra:
         return None
     grouped = engine.fsdp_root_unit & (extra["root_layers"] > 0)[None, :]
     terms = root_terms(np.where(grouped, extra["root_params"], 0.0), extra["head_and_block"][None, :], engine)
