@@ -138,16 +138,18 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     gather_d, gather_e = per_layer("ag", w)
     red_d, red_e = (by_layout(lay, rs, ar) for rs, ar in zip(per_layer("rs", dp_wire), per_layer("ar", dp_wire)))
     gather, rs_or_ar = gather_d + gather_e, red_d + red_e
-    first = None if root is None else root_seconds(  # the root's (forward gather, backward gather, reduction)
+    first = None if root is None else root_seconds(  # the root's forward gather, backward gather, reduction
         root, lambda n: collective_s("ag", sizes, dense_axes, n * w, cluster),
         lambda n: reduce_s(sizes, dense_axes, n * dp_wire, cluster, lay))
-    dense_s = gather_d + red_d if first is None else gather_d + red_d + first[0] + first[2]
+    dense_s = gather_d + red_d
+    dense_s = dense_s if first is None else dense_s + first.fwd + first.reduce
     frac, dense_frac = dp_fractions(sizes, cluster, dense_s, gather_e + red_e)
     reduce = _bucketed_reduce(rs_or_ar, own + expert, units_l, sizes, lay, dp_wire, cluster, engine)
-    last = None if first is None else first[2]  # the root's reduction, after the rank's last backward
-    reduce_all = reduce if last is None else reduce + last
-    # what of the first block's forward gather the root group's layers before it (the embedding) hide
-    lead = 0.0 if root is None else root.first_hidden(gather, root.lead_fwd, frac, engine.param_gather_overlap)
+    reduce_all = reduce if first is None else reduce + first.reduce  # the root's after the rank's last backward
+    # the root's forward gather, less what of the first block's the root group's layers before it (the
+    # embedding) hide
+    root_fwd = 0.0 if root is None else first.fwd - root.first_hidden(gather, root.lead_fwd, frac,
+                                                                       engine.param_gather_overlap)
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
     copy_out_b = (copy_out if root is None or not engine.gather_copy_out
                   else memory_time_s(cluster.device, 2.0 * w * root.bwd_gathered(expert)))
@@ -165,7 +167,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
     z3_fwd = np.where(gmb >= 2, exposed(fwd_u, gather, None, units_l, engine.param_gather_overlap, True, frac)
-                      + copy_out + (0.0 if first is None else first[0] - lead), 0.0)
+                      + copy_out + root_fwd, 0.0)
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
     # reductions alone run one collective per filled bucket (at most one per layer, dataparallel._bucketed),
@@ -177,8 +179,8 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     if root is not None:  # the kept block's gather (the one the closed form exposes) or the head's backward
         # hiding it, the root's collectives
         tail = root.first_hidden(pre_b, root.tail_bwd, frac, engine.param_gather_overlap)
-        dp_b = (dp_b - root.kept * pre_b / units_l - (1.0 - root.kept) * tail + np.where(gmb >= 1, first[1], 0.0)
-                + np.where(every, first[2], 0.0))
+        dp_b = (dp_b - root.kept * pre_b / units_l - (1.0 - root.kept) * tail + np.where(gmb >= 1, first.bwd, 0.0)
+                + np.where(every, first.reduce, 0.0))
     dp_b = np.where((gmb >= 1) | every,
                     dp_b + np.where(gmb >= 1, copy_out_b, 0.0) + np.where(every, copy_in, 0.0), 0.0)
     # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
@@ -202,7 +204,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, units_l, units, lay, engine, frac, sizes,
                        dense, expert, dp_wire, w, cluster, copy_in + ddp, async_tail, tied,
                        int(extra.get("last_rank", pp - 1)),
-                       None if root is None else (first, fwd_u, bwd_u + dp_b, lead), chunked, step_gather),
+                       None if root is None else (first, fwd_u, bwd_u + dp_b, root_fwd), chunked, step_gather),
             _optimizer(f, c, lay, cluster, engine)]
     if "ds_layer_ops" in extra:  # cost.deepspeedrank.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
@@ -234,16 +236,16 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
     cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (tied_tail),
     and weight all-gather (ZeRO-1/2; overlapped with the next forward); `root` None, or the FSDP2 root
-    group's (forward gather, backward gather, reduction) seconds (search/rootunit.py: each before or after
+    group's (forward gather, backward gather, reduction) seconds (rootunit.RootSeconds: each before or after
     every layer of the rank, so exposed whole), the units' forward and backward compute the closed forms
-    see, and what of the first block's gather the layers before it hide; `chunked`: (ranks, tail) of
+    see, and the root's forward gather less what of the first block's the layers before it hide; `chunked`: (ranks, tail) of
     search.chunks.chunk_sync_tail where the engine launches the reduction per chunk; `gathered`: (rows, exposed
     all-gather) of search.chunks.chunk_gather_s where the engine gathers chunk by chunk."""
     once = lay["reduce_every_microbatch"][:, None] == 0
-    first, fwd_u, bwd_u, lead = (None, fwd, bwd_all, 0.0) if root is None else root
+    first, fwd_u, bwd_u, root_fwd = (None, fwd, bwd_all, 0.0) if root is None else root
     if engine.dp_comm_overlap:
         tail = exposed(bwd_u, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
-        tail = tail if first is None else tail + first[2]
+        tail = tail if first is None else tail + first.reduce
         tail = tail if chunked is None else np.where(chunked[0], chunked[1], tail)
     else:
         # the experts' gradients all-reduced whatever the layout (cost.dataparallel.rank_dp_times' whole() takes
@@ -266,7 +268,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
             return a[rows] if np.ndim(a) == 2 and len(a) == len(dp_tail) else a
         shown = exposed(pick(fwd_u), pick(gather), None, layers, True, True, pick(frac))
         shown = shown if gathered is None else np.where(pick(gathered[0]), pick(gathered[1]), shown)
-        slowest[rows] = (shown + pick(copy_out) + (0.0 if first is None else pick(first[0]) - pick(lead))).max(axis=1)
+        slowest[rows] = (shown + pick(copy_out) + pick(root_fwd)).max(axis=1)
     return dp_tail + slowest
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from autoplan.cost.fsdpunits import root_terms
+from autoplan.cost.fsdpunits import RootTerms, root_terms
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 
@@ -40,19 +40,33 @@ ROOT_SHARED = ("root_layers", "rank_blocks", "head_and_block")
 class QuickRoot:
     """One pipeline shape's root-group terms: `units` [1, p] equal units a rank's own collectives spread
     over (its blocks where a root group holds the rest, else its layers), `dense` [n, p] their dense
-    elements, the root group's elements gathered forward (`fwd_first`), backward (`bwd_first`) and
-    reduced (`reduce_last`) [n, p], and `kept` [1, p] (1 where the last block skips its backward gather)."""
+    elements, and cost.fsdpunits.root_terms' `terms` over the arrays: the root group's elements gathered
+    forward (`fwd_first`), backward (`bwd_first`) and reduced (`reduce_last`) [n, p], and `kept` [1, p] (1
+    where the last block skips its backward gather)."""
 
     units: np.ndarray
     dense: np.ndarray
-    fwd_first: np.ndarray
-    bwd_first: np.ndarray
-    reduce_last: np.ndarray
-    kept: np.ndarray
+    terms: RootTerms
     fwd: np.ndarray  # [n, p] forward seconds of the layers the root group holds (0 where none)
     bwd: np.ndarray  # ... their backward
     lead_fwd: np.ndarray  # [n, p] forward seconds of those before the rank's first block
     tail_bwd: np.ndarray  # ... backward seconds of those after its last block
+
+    @property
+    def fwd_first(self) -> np.ndarray:
+        return self.terms.fwd_first
+
+    @property
+    def bwd_first(self) -> np.ndarray:
+        return self.terms.bwd_first
+
+    @property
+    def reduce_last(self) -> np.ndarray:
+        return self.terms.reduce_last
+
+    @property
+    def kept(self) -> np.ndarray:
+        return self.terms.kept_blocks
 
     def first_hidden(self, gather: np.ndarray, before: np.ndarray, frac, prefetch: bool) -> np.ndarray:
         """What the first block's prefetched gather (`gather` over the units, one unit's) costs less than the
@@ -119,15 +133,23 @@ def quick_root(extra: dict[str, np.ndarray], dense: np.ndarray, layers: np.ndarr
     def held(name: str) -> np.ndarray:
         return np.where(grouped, extra[name], 0.0)
 
-    return QuickRoot(units=units, dense=dense - terms.grouped, fwd_first=terms.fwd_first,
-                     bwd_first=terms.bwd_first, reduce_last=terms.reduce_last, kept=terms.kept_blocks,
-                     fwd=held("root_fwd"), bwd=held("root_bwd"), lead_fwd=held("lead_fwd"),
-                     tail_bwd=held("tail_bwd"))
+    return QuickRoot(units=units, dense=dense - terms.grouped, terms=terms, fwd=held("root_fwd"),
+                     bwd=held("root_bwd"), lead_fwd=held("lead_fwd"), tail_bwd=held("tail_bwd"))
+
+
+@dataclass(frozen=True, slots=True)
+class RootSeconds:
+    """The root group's collectives [n, p], each exposed whole (module docstring): its forward all-gather
+    before the rank's first layer, its backward re-gather before the first backward, its reduction after
+    the last backward."""
+
+    fwd: np.ndarray
+    bwd: np.ndarray
+    reduce: np.ndarray
 
 
 def root_seconds(root: QuickRoot, gather: Callable[[np.ndarray], np.ndarray],
-                 reduce: Callable[[np.ndarray], np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(forward all-gather, backward re-gather, reduction) seconds of the root group [n, p], priced by
-    `gather` and `reduce` on its elements (the quick estimate's collective_s at the weights' and the
-    gradients' bytes; zero elements cost zero: cost.comm)."""
-    return gather(root.fwd_first), gather(root.bwd_first), reduce(root.reduce_last)
+                 reduce: Callable[[np.ndarray], np.ndarray]) -> RootSeconds:
+    """The root group's seconds, priced by `gather` and `reduce` on its elements (the quick estimate's
+    collective_s at the weights' and the gradients' bytes; zero elements cost zero: cost.comm)."""
+    return RootSeconds(fwd=gather(root.fwd_first), bwd=gather(root.bwd_first), reduce=reduce(root.reduce_last))
