@@ -43,6 +43,7 @@ from autoplan.search.collectives import (
     _bucketed_reduce,
     by_layout,
     collective_s,
+    dense_dp_degree,
     expert_dp_degree,
     mesh_sizes,
     reduce_s,
@@ -274,7 +275,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
 
 def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
     """estimate._optimizer_s: Adam over the local shard at streaming bandwidth."""
-    dense_n = np.where(lay["shards_optimizer"] > 0, c["dp"] * c["ep"] * c["cp"], 1)[:, None]
+    dense_n = np.where(lay["shards_optimizer"] > 0, dense_dp_degree(c), 1)[:, None]
     expert_n = np.where(lay["shards_optimizer"] > 0, expert_dp_degree(c), 1)[:, None]
     local = (f["dense_params"] / dense_n + f["expert_params"] / expert_n).max(axis=1)
     return memory_time_s(cluster.device, local * adam_bytes_per_param(cluster.dtype, engine))
@@ -284,7 +285,7 @@ def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
     """cost.memory.rank_memory term by term but the activations (schedules.by_schedule adds them: x in-flight
     microbatches + the working set): (model states under the layout + ZeRO-3's working set and ZeRO-2's
     reduce buffers (cost.memory.zero2_reduce_bytes) [n, p], cost.memory.reserve_bytes [n])."""
-    dense_n = (c["dp"] * c["ep"] * c["cp"])[:, None]
+    dense_n = dense_dp_degree(c)[:, None]
     expert_n = expert_dp_degree(c)[:, None]
     shard = f["dense_params"] / dense_n + f["expert_params"] / expert_n
     full = f["dense_params"] + f["expert_params"]

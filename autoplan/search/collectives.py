@@ -29,6 +29,11 @@ def mesh_sizes(c: dict[str, np.ndarray], pricing: Pricing | None = None) -> Mesh
     return Mesh.of(np.stack([c[k] for k in MESH_COLS], axis=1), pricing)
 
 
+def dense_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
+    """The dense data-parallel group's size per candidate (DENSE_DP's): dp * ep * cp."""
+    return c["dp"] * c["ep"] * c["cp"]
+
+
 def expert_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
     """ParallelConfig.expert_dp per candidate: dp * ep * cp * tp / (expert_tp * expert_ep)."""
     etp = np.where(c["etp"] > 0, c["etp"], c["tp"])
