@@ -258,9 +258,10 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
     sub = cum[keys[:, None], bounds[None, :]]  # [keys, S + 1, F]: the cumulative sums at the cuts
     per_stage = sub[:, 1:] - sub[:, :-1]  # [keys, S, F]
     block = next((i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK), 0)
+    sides = _cut_sides(ranks, pp)
     out = {"per_rank": _per_rank(per_stage, placement, held), "layers_per_rank": np.diff(bounds) @ placement,
-           "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
-           "last_rank": ranks[-1], **_cut_sides(ranks, pp)}
+           "hops": sides["act_sends"] + sides["act_recvs"], "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
+           "last_rank": ranks[-1], **sides}
     out["max_params"], out["work"] = _rank_maxima(graph, table, keys, bounds, held)
     cols = {"dense": FIELDS.index("dense_params"), "fwd": FIELDS.index("fwd"), "time": FIELDS.index("time")}
     out.update(rank_roots(graph, table, keys, bounds, ranks, pp, cols, tables=roots))
@@ -329,20 +330,10 @@ def _per_rank(per_stage: np.ndarray, placement: np.ndarray, held: tuple[tuple[in
     return out
 
 
-def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
-    """Point-to-point transfers per microbatch on each rank: one per cut between stages on different
-    ranks, counted on both sides (the sender's forward, the receiver's backward), as estimate_config."""
-    out = np.zeros(pp)
-    for a, b in itertools.pairwise(placement):
-        if a != b:
-            out[a] += 1.0
-            out[b] += 1.0
-    return out
-
-
 def _cut_sides(placement: tuple[int, ...], pp: int) -> dict[str, np.ndarray]:
     """Per rank, the cuts between stages on different ranks where it sends the activation (and receives its
-    gradient) and where it receives it (p2p.add_hop's a and b sides)."""
+    gradient) and where it receives it (p2p.add_hop's a and b sides); their sum is the rank's point-to-point
+    transfers per microbatch ("hops": each cut counted on both sides, as estimate_config)."""
     sends, recvs = np.zeros(pp), np.zeros(pp)
     for a, b in itertools.pairwise(placement):
         if a != b:
