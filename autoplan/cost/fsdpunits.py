@@ -54,15 +54,22 @@ class UnitNumels:
 class RootTerms:
     """What the module docstring's rules do to one rank, in elements (floats, or numpy arrays of ranks
     alike: the quick estimate's vectorised form, search/rootunit.py): `grouped` leave the non-block
-    layers' own slots and move as the root group, gathered before the rank's first layer (`fwd_first`),
-    again before its first backward (`bwd_first`), reduced after its last backward (`reduce_last`);
-    `kept_blocks` blocks (0 or 1: the last one before the head) skip their backward gather."""
+    layers' own slots and move as the root group, whole: gathered before the rank's first layer
+    (`fwd_first`) and reduced after its last backward (`reduce_last`), those same elements, and again
+    gathered before its first backward (`bwd_first`) where the root reshards; `kept_blocks` blocks (0 or 1:
+    the last one before the head) skip their backward gather."""
 
     grouped: Any
-    fwd_first: Any
     bwd_first: Any
-    reduce_last: Any
     kept_blocks: Any
+
+    @property
+    def fwd_first(self) -> Any:
+        return self.grouped
+
+    @property
+    def reduce_last(self) -> Any:
+        return self.grouped
 
 
 def root_terms(non_block: Any, head_and_block: Any, engine: Engine) -> RootTerms:
@@ -70,8 +77,7 @@ def root_terms(non_block: Any, head_and_block: Any, engine: Engine) -> RootTerms
     layers that no block holds, and `head_and_block`, 1 (True) where it holds the head and a block."""
     root = non_block if engine.fsdp_root_unit else 0.0 * non_block
     kept = 0.0 * head_and_block if engine.fsdp_last_block_reshards else 1.0 * head_and_block
-    return RootTerms(grouped=root, fwd_first=root, bwd_first=root if engine.fsdp_root_reshards else 0.0 * root,
-                     reduce_last=root, kept_blocks=kept)
+    return RootTerms(grouped=root, bwd_first=root if engine.fsdp_root_reshards else 0.0 * root, kept_blocks=kept)
 
 
 def unit_numels(layers: Sequence[Layer], counts: Sequence[float], engine: Engine) -> UnitNumels:

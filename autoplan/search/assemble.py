@@ -37,16 +37,21 @@ from autoplan.plan.layout import zero_layout
 from autoplan.plan.types import ParallelConfig
 from autoplan.search.chunks import chunk_terms
 from autoplan.search.collectives import (
+    DENSE_DP,
     EXPERT_DP,
     _bucket_count,
     _bucketed_reduce,
+    by_layout,
     collective_s,
+    dense_dp_degree,
     expert_dp_degree,
     mesh_sizes,
+    reduce_s,
+    scatters,
 )
 from autoplan.search.deepspeed_terms import _deepspeed, _deepspeed_step
 from autoplan.search.exposed import exposed
-from autoplan.search.pipeline_terms import nic_shared, pipeline_hops, tied_reduce, tied_tail
+from autoplan.search.pipeline_terms import cut_p2p, nic_shared, pipeline_hops, tied_reduce, tied_tail
 from autoplan.search.pricing import Mesh, Pricing, int_codes, per_mesh
 from autoplan.search.rootunit import quick_root, root_seconds
 from autoplan.search.schedules import Shared, shared_pipeline
@@ -77,6 +82,16 @@ def _layout_row(zero: int, pp: int, dp: int, ep: int, cp: int, zero3: str, defer
     return tuple(float(getattr(lay, f)) for f in _LAYOUT_FIELDS) + (float(lay.grad_reduction == "reduce_scatter"),)
 
 
+def fresh_share(lay: dict[str, np.ndarray], m: np.ndarray | None, engine: Engine, dtype: str) -> np.ndarray | None:
+    """cost.estimate.fresh_grad_share per candidate [n, 1], where the engine frees or replaces the weight
+    gradients (Engine.grad_freed_after_reduce, hp_grads: the fresh-gradient saving comes off the backward);
+    None where it does not. `m`: each row's microbatches per step."""
+    if not (engine.grad_freed_after_reduce or engine.hp_grads(dtype)):
+        return None
+    assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
+    return fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine, dtype)
+
+
 def microbatches(c: dict[str, np.ndarray], global_batch: int) -> np.ndarray:
     """Microbatches per step of each candidate (ParallelConfig.num_microbatches), as floats."""
     return (global_batch // (c["dp"] * c["ep"] * c["microbatch"])).astype(float)
@@ -92,19 +107,19 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     hidden; `pricing` what the collectives of one quick estimate share (search/pricing.py); `m` each row's
     microbatches per step (needed with Engine.grad_freed_after_reduce)."""
     lay = layouts(c, engine, cluster.dtype)
-    if (engine.grad_freed_after_reduce or engine.hp_grads(cluster.dtype)) and "fresh" in f:  # as estimate.with_fresh_grads
-        assert m is not None, "assemble_shared needs m (microbatches per row) under grad_freed_after_reduce"
-        cut = f["fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None] > 0, m[:, None], engine,
-                                          cluster.dtype)
+    share = fresh_share(lay, m, engine, cluster.dtype)  # the rank's and its chunks' (search/chunks.py) backward
+    if share is not None and "fresh" in f:  # as estimate.with_fresh_grads
+        cut = f["fresh"] * share
         f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
     sizes = mesh_sizes(c, pricing)
-    dense_axes, expert_axes = ("dp", "ep", "cp"), EXPERT_DP
+    dense_axes, expert_axes = DENSE_DP, EXPERT_DP
     w, g, o = state_bytes_per_param(cluster.dtype, engine)
     wire, dp_wire = grad_wire_bytes(cluster.dtype, engine), dp_wire_bytes(cluster.dtype, engine)
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
     fwd, bwd = f["fwd"], f["time"] - f["fwd"]
     dense, expert = f["dense_params"], f["expert_params"]
-    hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, pp, v)
+    p2p = cut_p2p(extra, c, sizes, cluster, engine, pp)  # a cut's transfers, for the hops and the NIC
+    hops, steady = pipeline_hops(extra, c, cluster, sizes, engine, p2p, v)
     # FSDP2's root group (search/rootunit.py): the rank's own collectives over its blocks, the root's whole
     root = quick_root(extra, dense, layers, v, engine)
     units_l, own = (layers, dense) if root is None else (root.units, root.dense)
@@ -121,28 +136,29 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
         return tuple((collective_s(kind, sizes, axes, params / units_l * elem_bytes, cluster, per_class=True)
                       * units_l)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
 
-    (gather_d, gather_e), scatter = per_layer("ag", w), lay["reduce_scatter"][:, None] > 0
-    (rs_d, rs_e), (ar_d, ar_e) = per_layer("rs", dp_wire), per_layer("ar", dp_wire)
-    red_d, red_e = np.where(scatter, rs_d, ar_d), np.where(scatter, rs_e, ar_e)
+    gather_d, gather_e = per_layer("ag", w)
+    red_d, red_e = (by_layout(lay, rs, ar) for rs, ar in zip(per_layer("rs", dp_wire), per_layer("ar", dp_wire)))
     gather, rs_or_ar = gather_d + gather_e, red_d + red_e
-    first = None if root is None else root_seconds(  # the root's (forward gather, backward gather, reduction)
+    first = None if root is None else root_seconds(  # the root's forward gather, backward gather, reduction
         root, lambda n: collective_s("ag", sizes, dense_axes, n * w, cluster),
-        lambda n: np.where(scatter, *(collective_s(k, sizes, dense_axes, n * dp_wire, cluster) for k in ("rs", "ar"))))
-    dense_s = gather_d + red_d if first is None else gather_d + red_d + first[0] + first[2]
+        lambda n: reduce_s(sizes, dense_axes, n * dp_wire, cluster, lay))
+    dense_s = gather_d + red_d
+    dense_s = dense_s if first is None else dense_s + first.fwd + first.reduce
     frac, dense_frac = dp_fractions(sizes, cluster, dense_s, gather_e + red_e)
     reduce = _bucketed_reduce(rs_or_ar, own + expert, units_l, sizes, lay, dp_wire, cluster, engine)
-    last = None if first is None else first[2]  # the root's reduction, after the rank's last backward
-    reduce_all = reduce if last is None else reduce + last
-    # what of the first block's forward gather the root group's layers before it (the embedding) hide
-    lead = 0.0 if root is None else root.first_hidden(gather, root.lead_fwd, frac, engine.param_gather_overlap)
+    reduce_all = reduce if first is None else reduce + first.reduce  # the root's after the rank's last backward
+    # the root's forward gather, less what of the first block's the root group's layers before it (the
+    # embedding) hide
+    root_fwd = 0.0 if root is None else first.fwd - root.first_hidden(gather, root.lead_fwd, frac,
+                                                                       engine.param_gather_overlap)
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
     copy_out_b = (copy_out if root is None or not engine.gather_copy_out
                   else memory_time_s(cluster.device, 2.0 * w * root.bwd_gathered(expert)))
     # gradpasses.reduce_copy_in_s: FSDP2's copy of the gradients into the reduce-scatter input
-    copy_in = np.where(lay["reduce_scatter"][:, None] > 0 if engine.reduce_scatter_copy_in else False,
+    copy_in = np.where(scatters(lay) if engine.reduce_scatter_copy_in else False,
                        memory_time_s(cluster.device, (dtype_bytes(cluster.dtype) + wire) * (dense + expert)), 0.0)
     # gradpasses.ddp_grad_passes_s: the DDP's flatten / divide / copy-back passes around a per-step all-reduce
-    ddp = np.where(lay["reduce_scatter"][:, None] == 0,  # at any group size, as the exact model
+    ddp = np.where(~scatters(lay),  # at any group size, as the exact model
                    memory_time_s(cluster.device, ddp_grad_pass_bytes(cluster.dtype, engine, dense + expert)
                                  * (dense + expert)), 0.0)
     if engine.grad_buffer_passes:  # gradpasses.grad_buffer_passes_s: the zero fill and the 1 / dp scale
@@ -152,7 +168,7 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
     z3_fwd = np.where(gmb >= 2, exposed(fwd_u, gather, None, units_l, engine.param_gather_overlap, True, frac)
-                      + copy_out + (0.0 if first is None else first[0] - lead), 0.0)
+                      + copy_out + root_fwd, 0.0)
     pre_b = np.where(gmb >= 1, gather, 0.0)
     post_b = np.where(every, reduce, 0.0)
     # reductions alone run one collective per filled bucket (at most one per layer, dataparallel._bucketed),
@@ -164,14 +180,14 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     if root is not None:  # the kept block's gather (the one the closed form exposes) or the head's backward
         # hiding it, the root's collectives
         tail = root.first_hidden(pre_b, root.tail_bwd, frac, engine.param_gather_overlap)
-        dp_b = (dp_b - root.kept * pre_b / units_l - (1.0 - root.kept) * tail + np.where(gmb >= 1, first[1], 0.0)
-                + np.where(every, first[2], 0.0))
+        dp_b = (dp_b - root.kept * pre_b / units_l - (1.0 - root.kept) * tail + np.where(gmb >= 1, first.bwd, 0.0)
+                + np.where(every, first.reduce, 0.0))
     dp_b = np.where((gmb >= 1) | every,
                     dp_b + np.where(gmb >= 1, copy_out_b, 0.0) + np.where(every, copy_in, 0.0), 0.0)
     # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
     asyn = every & (gmb == 0) & engine.grad_reduce_async & engine.dp_comm_overlap
     per_mb = np.maximum(reduce_all - f["time"], 0.0) + frac * np.minimum(reduce_all, f["time"])
-    shared, stream = (nic_shared(reduce_all, f, extra, c, cluster, sizes, engine, pp) if np.any(asyn)
+    shared, stream = (nic_shared(reduce_all, f, extra, p2p, cluster, sizes) if np.any(asyn)
                       else (0.0, 0.0))  # cost.pipeline.nic_shared_reduce_s
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
     dp_b = np.where(asyn, per_mb + shared + copy_in, dp_b)
@@ -184,11 +200,12 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     x = f["time"] + hops + dp_f + dp_b
     peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
     tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
-    chunked, step_gather = chunk_terms(extra, rs_or_ar, layers, sizes, lay, dp_wire, w, cluster, engine, m, frac, pp, v)
+    chunked, step_gather = chunk_terms(extra, rs_or_ar, layers, sizes, lay, dp_wire, w, cluster, engine, share, frac,
+                                       pp, v)
     once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, units_l, units, lay, engine, frac, sizes,
                        dense, expert, dp_wire, w, cluster, copy_in + ddp, async_tail, tied,
                        int(extra.get("last_rank", pp - 1)),
-                       None if root is None else (first, fwd_u, bwd_u + dp_b, lead), chunked, step_gather),
+                       None if root is None else (first, fwd_u, bwd_u + dp_b, root_fwd), chunked, step_gather),
             _optimizer(f, c, lay, cluster, engine)]
     if "ds_layer_ops" in extra:  # cost.deepspeedrank.deepspeed_step_s, once per step
         once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
@@ -204,7 +221,7 @@ def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_
     `expert_s`), and the dense group's own (DeepSpeed's stage 3 prices it alone)."""
     per_node = cluster.devices_per_node
     fd = per_mesh(sizes, lambda config: contention_fraction(
-        cluster, comm.group_placement(config, ("dp", "ep", "cp"), per_node)), "dp-contention")[:, None]
+        cluster, comm.group_placement(config, DENSE_DP, per_node)), "dp-contention")[:, None]
     fe = per_mesh(sizes, lambda config: contention_fraction(cluster, expert_dp_placement(config, per_node)),
                   "edp-contention")[:, None]
     total = dense_s + expert_s
@@ -220,22 +237,22 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     holds both), or the last microbatch's asynchronous reductions (`async_tail`,
     cost.dataparallel.async_reduce_s), the tied head's all-reduce between rank 0 and `last_rank` (tied_tail),
     and weight all-gather (ZeRO-1/2; overlapped with the next forward); `root` None, or the FSDP2 root
-    group's (forward gather, backward gather, reduction) seconds (search/rootunit.py: each before or after
+    group's (forward gather, backward gather, reduction) seconds (rootunit.RootSeconds: each before or after
     every layer of the rank, so exposed whole), the units' forward and backward compute the closed forms
-    see, and what of the first block's gather the layers before it hide; `chunked`: (ranks, tail) of
+    see, and the root's forward gather less what of the first block's the layers before it hide; `chunked`: (ranks, tail) of
     search.chunks.chunk_sync_tail where the engine launches the reduction per chunk; `gathered`: (rows, exposed
     all-gather) of search.chunks.chunk_gather_s where the engine gathers chunk by chunk."""
     once = lay["reduce_every_microbatch"][:, None] == 0
-    first, fwd_u, bwd_u, lead = (None, fwd, bwd_all, 0.0) if root is None else root
+    first, fwd_u, bwd_u, root_fwd = (None, fwd, bwd_all, 0.0) if root is None else root
     if engine.dp_comm_overlap:
         tail = exposed(bwd_u, None, reduce, units, True, True, frac)  # per filled bucket, as dp_b
-        tail = tail if first is None else tail + first[2]
+        tail = tail if first is None else tail + first.reduce
         tail = tail if chunked is None else np.where(chunked[0], chunked[1], tail)
     else:
-        d = collective_s("rs", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
-        a = collective_s("ar", sizes, ("dp", "ep", "cp"), dense * wire, cluster)
+        # the experts' gradients all-reduced whatever the layout (cost.dataparallel.rank_dp_times' whole() takes
+        # the layout's reduce_fn for them too: a difference the quick estimate keeps)
         e = collective_s("ar", sizes, EXPERT_DP, expert * wire, cluster)
-        tail = np.where(lay["reduce_scatter"][:, None] > 0, d, a) + e
+        tail = reduce_s(sizes, DENSE_DP, dense * wire, cluster, lay) + e
     tail = tail + copy_in
     offsets = np.cumsum(bwd_all, axis=1) - bwd_all
     active = (once[:, 0] | (async_tail > 0).any(axis=1))[:, None]
@@ -243,7 +260,7 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
     dp_tail = tied_tail(per_rank, offsets, tied, last_rank, engine.tied_reduce_before_dp)
     step_gather = lay["weight_gathers_per_step"][:, None] > 0
     if not engine.param_gather_overlap:
-        pg = collective_s("ag", sizes, ("dp", "ep", "cp"), dense * w, cluster) + copy_out
+        pg = collective_s("ag", sizes, DENSE_DP, dense * w, cluster) + copy_out
         return dp_tail + np.where(step_gather, pg, 0.0).max(axis=1)
     # the overlapped gather on the candidates that gather once per step only (each row's figures are its own)
     rows, slowest = np.nonzero(step_gather[:, 0])[0], np.zeros(len(dp_tail))
@@ -252,13 +269,13 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
             return a[rows] if np.ndim(a) == 2 and len(a) == len(dp_tail) else a
         shown = exposed(pick(fwd_u), pick(gather), None, layers, True, True, pick(frac))
         shown = shown if gathered is None else np.where(pick(gathered[0]), pick(gathered[1]), shown)
-        slowest[rows] = (shown + pick(copy_out) + (0.0 if first is None else pick(first[0]) - pick(lead))).max(axis=1)
+        slowest[rows] = (shown + pick(copy_out) + pick(root_fwd)).max(axis=1)
     return dp_tail + slowest
 
 
 def _optimizer(f, c, lay, cluster, engine) -> np.ndarray:
     """estimate._optimizer_s: Adam over the local shard (estimate.optimizer_bytes) at streaming bandwidth."""
-    dense_n = np.where(lay["shards_optimizer"] > 0, c["dp"] * c["ep"] * c["cp"], 1)[:, None]
+    dense_n = np.where(lay["shards_optimizer"] > 0, dense_dp_degree(c), 1)[:, None]
     expert_n = np.where(lay["shards_optimizer"] > 0, expert_dp_degree(c), 1)[:, None]
     shard = f["dense_params"] / dense_n + f["expert_params"] / expert_n
     local = f["dense_params"] + f["expert_params"]
@@ -269,7 +286,7 @@ def _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes):
     """cost.memory.rank_memory term by term but the activations (schedules.by_schedule adds them: x in-flight
     microbatches + the working set): (model states under the layout + ZeRO-3's working set and ZeRO-2's
     reduce buffers (cost.memory.zero2_reduce_bytes) [n, p], cost.memory.reserve_bytes [n])."""
-    dense_n = (c["dp"] * c["ep"] * c["cp"])[:, None]
+    dense_n = dense_dp_degree(c)[:, None]
     expert_n = expert_dp_degree(c)[:, None]
     shard = f["dense_params"] / dense_n + f["expert_params"] / expert_n
     full = f["dense_params"] + f["expert_params"]

@@ -10,25 +10,24 @@ from typing import Any
 import numpy as np
 
 from autoplan.cost.chunksync import applies, later_gathers_s, rank_chunk_tail_s
-from autoplan.cost.estimate import fresh_grad_share
 from autoplan.plan.engine import Engine
-from autoplan.search.collectives import EXPERT_DP, _bucketed_reduce, collective_s
+from autoplan.search.collectives import DENSE_DP, EXPERT_DP, _bucketed_reduce, collective_s
 from autoplan.search.exposed import exposed
 
 
-def chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, w, cluster, engine, m, frac, pp, v):
+def chunk_terms(extra, rs_or_ar, layers, sizes, lay, wire, w, cluster, engine, share, frac, pp, v):
     """cost.chunksync's per-chunk terms where the engine asks: (ranks, tail) of the reduction launched chunk by
     chunk (chunk_sync_tail), (rows, exposed) of the chunks' weight all-gathers in turn (chunk_gather_s: the
     distributed optimizer's, ZeRO-1 rows); None where it does not. Prices through search/collectives.py's
-    collective_s and _bucketed_reduce."""
+    collective_s and _bucketed_reduce; `share`: assemble.fresh_share's [n, 1] (or None)."""
     chunked = gathered = None
     if engine.grad_sync_per_chunk and engine.dp_comm_overlap and pp > 1:
         def bucketed(n: np.ndarray, bucket: float | None = None) -> np.ndarray:
             return _bucketed_reduce(None, n, layers, sizes, lay, wire, cluster, engine, bucket)
-        chunked = chunk_sync_tail(*chunk_inputs(extra, rs_or_ar, bucketed, lay, m, engine, cluster.dtype), frac, pp)
+        chunked = chunk_sync_tail(*chunk_inputs(extra, rs_or_ar, bucketed, share, engine), frac, pp)
     if engine.param_gather_per_chunk and engine.param_gather_overlap and v > 1:
         gathered = chunk_gather_s(extra, lambda d, e, n: n * (
-            collective_s("ag", sizes, ("dp", "ep", "cp"), d / n * w, cluster)
+            collective_s("ag", sizes, DENSE_DP, d / n * w, cluster)
             + collective_s("ag", sizes, EXPERT_DP, e / n * w, cluster)), frac, pp)
         gathered = (lay["shards_gradients"][:, None] == 0, gathered)  # the distributed optimizer (ZeRO-1)
     return chunked, gathered
@@ -47,17 +46,17 @@ def chunk_sync_tail(chunk_reduce: np.ndarray, chunk_bwd: np.ndarray, frac: Any, 
     return np.broadcast_to(applies(pp, v, r), tail.shape), tail
 
 
-def chunk_inputs(extra: dict[str, np.ndarray], rank_total: np.ndarray, bucketed: Any, lay: dict[str, np.ndarray],
-                m: np.ndarray | None, engine: Engine, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+def chunk_inputs(extra: dict[str, np.ndarray], rank_total: np.ndarray, bucketed: Any, share: np.ndarray | None,
+                 engine: Engine) -> tuple[np.ndarray, np.ndarray]:
     """(reduction, backward) of each rank's chunks [n, v, p] for chunk_sync_tail: the first chunk's
     chunk_grads in the engine's buckets (`bucketed(grads)`; without buckets the rank's per-layer collectives
     `rank_total` [n, p] shared by the chunks' gradients), every later one's as one collective
     (`bucketed(grads, np.inf)`: cost.chunksync, Megatron-Core's disable_bucketing), chunk_bwd less what
-    grad_freed_after_reduce / hp_grads take off (cost.estimate with_fresh_grads, as assemble_shared's time)."""
+    grad_freed_after_reduce / hp_grads take off (cost.estimate with_fresh_grads at `share`, assemble.fresh_share's
+    [n, 1] or None: as assemble_shared's time)."""
     grads, bwd = extra["chunk_dense"] + extra["chunk_expert"], extra["chunk_bwd"]
-    if engine.grad_freed_after_reduce or engine.hp_grads(dtype):
-        bwd = bwd - extra["chunk_fresh"] * fresh_grad_share(lay["reduce_every_microbatch"][:, None, None] > 0,
-                                                            m[:, None, None], engine, dtype)
+    if share is not None:
+        bwd = bwd - extra["chunk_fresh"] * share[:, :, None]
     total = grads.sum(axis=1)
     first = (bucketed(grads[:, 0]) if engine.dp_bucket_numel  # the rank's per-layer collectives, shared
              else rank_total * grads[:, 0] / np.where(total > 0, total, 1.0))

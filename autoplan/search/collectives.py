@@ -1,7 +1,8 @@
 """The quick estimate's collectives per candidate: each candidate's mesh degrees (mesh_sizes,
 expert_dp_degree), cost.comm's time of an all-gather, reduce-scatter or all-reduce over a group of them
 (collective_s, priced once per distinct question: search/pricing.py), and a rank's gradient reduction per
-layer or in the engine's buckets (_bucketed_reduce). Used by search/assemble.py and search/chunks.py.
+layer or in the engine's buckets (_bucketed_reduce), a reduce-scatter or an all-reduce by the ZeRO layout
+(reduce_s, by_layout). Used by search/assemble.py and search/chunks.py.
 """
 
 from __future__ import annotations
@@ -18,12 +19,19 @@ from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, price_c
 _KINDS = {"ag": comm.all_gather_s, "rs": comm.reduce_scatter_s, "ar": comm.all_reduce_s}
 # the experts' data-parallel group (cost.experts.expert_dp_placement: dp * cp unfolded, edp when folded)
 EXPERT_DP = ("edp",)
+# the dense parameters' data-parallel group (cost.dataparallel.dp_groups' dense: every replica of a dense weight)
+DENSE_DP = ("dp", "ep", "cp")
 
 
 def mesh_sizes(c: dict[str, np.ndarray], pricing: Pricing | None = None) -> Mesh:
     """[n, 7] mesh degrees per candidate (MESH_AXIS_ORDER's five, then the folded expert degrees), with what
     pricing their collectives shares (search/pricing.py)."""
     return Mesh.of(np.stack([c[k] for k in MESH_COLS], axis=1), pricing)
+
+
+def dense_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
+    """The dense data-parallel group's size per candidate (DENSE_DP's): dp * ep * cp."""
+    return c["dp"] * c["ep"] * c["cp"]
 
 
 def expert_dp_degree(c: dict[str, np.ndarray]) -> np.ndarray:
@@ -53,6 +61,24 @@ def collective_s(kind: str, sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarr
                  (axes, kind))
 
 
+def by_layout(lay: dict[str, np.ndarray], rs: Any, ar: Any) -> Any:
+    """The gradient reduction's seconds by each candidate's layout (plan.layout.zero_layout's grad_reduction,
+    assemble.layouts' "reduce_scatter"): `rs` where it reduce-scatters, else `ar` ([n, p] or broadcast)."""
+    return np.where(scatters(lay), rs, ar)
+
+
+def scatters(lay: dict[str, np.ndarray]) -> np.ndarray:
+    """Whether each candidate's layout reduce-scatters its gradients [n, 1] (else it all-reduces them)."""
+    return lay["reduce_scatter"][:, None] > 0
+
+
+def reduce_s(sizes: Mesh, axes: tuple[str, ...], nbytes: np.ndarray, cluster: ClusterSpec,
+             lay: dict[str, np.ndarray]) -> np.ndarray:
+    """A gradient reduction of `nbytes` over each candidate's group over `axes`: collective_s's
+    reduce-scatter or all-reduce, by its layout (by_layout)."""
+    return by_layout(lay, collective_s("rs", sizes, axes, nbytes, cluster), collective_s("ar", sizes, axes, nbytes, cluster))
+
+
 def _bucket_count(params: np.ndarray, layers: np.ndarray, bucket: int) -> np.ndarray:
     """How many collectives a rank's gradients take: one per layer, or per bucket of `bucket` elements."""
     if not bucket:
@@ -68,6 +94,4 @@ def _bucketed_reduce(per_layer_total, params, layers, sizes, lay, wire, cluster,
         return per_layer_total
     buckets = _bucket_count(params, layers, bucket)
     one = np.minimum(params / buckets, bucket) * wire
-    rs = collective_s("rs", sizes, ("dp", "ep", "cp"), one, cluster)
-    ar = collective_s("ar", sizes, ("dp", "ep", "cp"), one, cluster)
-    return np.where(lay["reduce_scatter"][:, None] > 0, rs, ar) * buckets
+    return reduce_s(sizes, DENSE_DP, one, cluster, lay) * buckets

@@ -27,7 +27,7 @@ from autoplan.cost.kernels import memory_time_s
 from autoplan.graph.types import LayerGraph, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Recompute
-from autoplan.search.collectives import collective_s
+from autoplan.search.collectives import DENSE_DP, collective_s, dense_dp_degree
 from autoplan.search.exposed import uniform_exposed
 from autoplan.search.space import RECOMPUTES
 
@@ -48,7 +48,7 @@ def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, 
     out = {k: np.zeros(len(idx)) for k in ("ds_fixed_ops", "ds_layer_ops", "ds_layer_elements", "ds_fetch_wait_share")}
     if block is None:
         return out
-    tp, n = c["tp"][idx], (c["dp"] * c["ep"] * c["cp"])[idx]
+    tp, n = c["tp"][idx], dense_dp_degree(c)[idx]
     for t, size in set(zip(tp.tolist(), n.tolist())):
         config, rows = ParallelConfig(tp=t), (tp == t) & (n == size)
         layer_cost = cost.estimate_layer(block, cluster, config, "none", seq_len=graph.seq_len)
@@ -126,14 +126,14 @@ def _deepspeed(dp_f, dp_b, mask, f, layers, sizes, c, cluster, engine, w, wire, 
     modules = blocks * extra["ds_block_weights"] + (layers - blocks)
     gathers = np.where(c["recompute"][:, None] == RECOMPUTES.index(Recompute.FULL), 3.0, 2.0)
     fill, copy = gather_pass_bytes(engine, dense / modules, w)  # the zero fill before, the copy-out after
-    one = collective_s("ag", sizes, ("dp", "ep", "cp"), dense / modules * w, cluster) + memory_time_s(cluster.device,
+    one = collective_s("ag", sizes, DENSE_DP, dense / modules * w, cluster) + memory_time_s(cluster.device,
                                                                                                       copy)
-    n = (c["dp"] * c["ep"] * c["cp"]).astype(float)[:, None]
+    n = dense_dp_degree(c).astype(float)[:, None]
     before, after, blocked = gather_host_s(engine, n, cluster.device.op_overhead_s)
     before = before + memory_time_s(cluster.device, fill)
     red_fn = "ar" if engine.zero3_grad_reduction == "all_reduce" else "rs"
     buckets = np.maximum(np.ceil(dense / engine.zero3_reduce_bucket_numel), 1.0)
-    red = collective_s(red_fn, sizes, ("dp", "ep", "cp"), dense / buckets * wire, cluster) * buckets
+    red = collective_s(red_fn, sizes, DENSE_DP, dense / buckets * wire, cluster) * buckets
     # a device sync before each sub-module: its host time adds to its kernels (deepspeed._step)
     full = (c["recompute"] == RECOMPUTES.index(Recompute.FULL))[:, None]
     host_f, host_r, host_b = ds.host_shares(f["host"] if ds.sync_adds_host(engine) else 0.0 * one, full)

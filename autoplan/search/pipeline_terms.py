@@ -28,22 +28,36 @@ from autoplan.cost.p2p import (
 from autoplan.cost.pipeline import nic_shared_reduce_s
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Schedule
+from autoplan.search.collectives import DENSE_DP
 from autoplan.search.pricing import Mesh, config_of, per_mesh, price_rows
 from autoplan.search.space import SCHEDULES
 
 
-def _pp_crosses(cluster: ClusterSpec):
-    def crosses(row: tuple[int, ...]) -> bool:
-        pp, dp, ep, cp, tp = row[:5]  # the pp group's placement reads MESH_AXIS_ORDER's five
-        cfg = ParallelConfig(pp=pp, dp=dp, ep=ep, cp=cp, tp=tp)
-        return comm.group_placement(cfg, ("pp",), cluster.devices_per_node).crosses_nodes
-    return crosses
+def crosses_nodes(config: ParallelConfig, axes: tuple[str, ...], cluster: ClusterSpec) -> bool:
+    """Whether the group over `axes` of rank 0 spans nodes (cost.comm.group_placement): the one rule the
+    quick estimate's pipeline and NIC terms read, per mesh row (`_crosses`) or per candidate (`crosses_s`)."""
+    return comm.group_placement(config, axes, cluster.devices_per_node).crosses_nodes
+
+
+def _crosses(cluster: ClusterSpec, axes: tuple[str, ...]):
+    """crosses_nodes of a mesh row (search/pricing.py's `place` form)."""
+    return lambda row: crosses_nodes(config_of(row), axes, cluster)
+
+
+def crosses_s(sizes: Mesh, axes: tuple[str, ...], cluster: ClusterSpec) -> np.ndarray:
+    """crosses_nodes per candidate, as floats (1.0 where the group spans nodes), once per quick estimate."""
+    return per_mesh(sizes, lambda config: float(crosses_nodes(config, axes, cluster)), (axes, "crosses-nodes"))
+
+
+def partitioned(c: dict[str, np.ndarray], engine: Engine) -> np.ndarray:
+    """cost.p2p.partitioned per candidate: DeepSpeed's PartitionedTensor over tp > 1 without sp."""
+    return engine.pp_partitioned_tensors & (c["tp"] > 1) & (c["sp"] == 0)
 
 
 def collective_p2p(out_bytes: np.ndarray, sizes: Mesh, cluster: ClusterSpec) -> np.ndarray:
     """cost.comm.p2p_s of the activation a pipeline cut sends, on the link the pp group crosses (each
     distinct (mesh, bytes) priced once)."""
-    return price_rows(sizes, np.round(out_bytes), _pp_crosses(cluster), lambda b, cross: comm.p2p_s(b, cross, cluster),
+    return price_rows(sizes, np.round(out_bytes), _crosses(cluster, ("pp",)), lambda b, cross: comm.p2p_s(b, cross, cluster),
                       ("pp-crosses", "p2p"), skip_nonpositive=False)
 
 
@@ -69,22 +83,21 @@ def _recv_gather(out_bytes: np.ndarray, c: dict[str, np.ndarray], cluster: Clust
 
 
 def pipeline_hops(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh,
-                  engine: Engine, pp: int, v: int = 1) -> tuple[Any, Any]:
+                  engine: Engine, p2p: np.ndarray | None, v: int = 1) -> tuple[Any, Any]:
     """(each rank's per-microbatch pipeline communication in its slot [n, p], the part only the steady state
-    pays [n, p]), as cost.p2p.add_hop: each cut's p2p (with DeepSpeed's PartitionedTensor its meta
-    tensor too) and re-assembly on both sides, and for an unbatched pipeline each receive again, steady only;
-    an overlapped p2p (cost.p2p.p2p_overlapped: interleaved rows at v > 1) is taken off the steady state
-    instead (a negative steady part: cost.p2p.overlapped_p2p_saving_s)."""
-    if pp == 1:
+    pays [n, p]), as cost.p2p.add_hop: each cut's p2p (`p2p`, cut_p2p's; None without a pipeline) and
+    re-assembly on both sides, with DeepSpeed's PartitionedTensor its roles' work, and for an unbatched
+    pipeline each receive again, steady only; an overlapped p2p (cost.p2p.p2p_overlapped: interleaved rows
+    at v > 1) is taken off the steady state instead (a negative steady part: cost.p2p.overlapped_p2p_saving_s)."""
+    if p2p is None:
         return 0.0, 0.0
     out_bytes = np.asarray(extra["out_bytes"], dtype=float)
-    part = engine.pp_partitioned_tensors & (c["tp"] > 1) & (c["sp"] == 0)
-    p2p = _cut_p2p(out_bytes, c, sizes, cluster, engine)
     hops = extra["hops"] * (p2p + _recv_gather(out_bytes, c, cluster, sizes, engine))[:, None]
     steady = extra["hops"] * p2p[:, None] if not engine.pp_p2p_batched else 0.0
     if p2p_overlapped(engine, Schedule.INTERLEAVED, v):
         steady = _overlapped_steady(extra, c, cluster, sizes, p2p, steady)
     if engine.pp_partitioned_tensors:
+        part = partitioned(c, engine)
         gather, cpu = _tp_gather(out_bytes * c["tp"], sizes, cluster), bool(cluster.device.cpu_cores)
         role = lambda r: partitioned_role_s(r, out_bytes, c["tp"], gather, cluster.device, cpu)
         send = np.where(part, role(PARTITION_SEND_FWD) + role(PARTITION_SEND_BWD), 0.0)
@@ -117,40 +130,36 @@ def _overlapped_steady(extra: dict[str, Any], c: dict[str, np.ndarray], cluster:
     return np.where(rows, -saved, steady)
 
 
-def _cut_p2p(out_bytes: np.ndarray, c: dict[str, np.ndarray], sizes: Mesh, cluster: ClusterSpec,
-             engine: Engine) -> np.ndarray:
-    """A cut's transfers per candidate: the activation's p2p and, with DeepSpeed's PartitionedTensor, its meta
-    tensor's (cost.p2p.add_hop's `hop`)."""
-    p2p = collective_p2p(out_bytes, sizes, cluster)
+def cut_p2p(extra: dict[str, Any], c: dict[str, np.ndarray], sizes: Mesh, cluster: ClusterSpec, engine: Engine,
+            pp: int) -> np.ndarray | None:
+    """A cut's transfers per candidate (cost.p2p.add_hop's `hop`), once per quick-estimate piece for
+    pipeline_hops and nic_hops: the activation's p2p and, with DeepSpeed's PartitionedTensor, its meta
+    tensor's; None without a pipeline."""
+    if pp == 1:
+        return None
+    p2p = collective_p2p(np.asarray(extra["out_bytes"], dtype=float), sizes, cluster)
     if engine.pp_partitioned_tensors:
-        part = engine.pp_partitioned_tensors & (c["tp"] > 1) & (c["sp"] == 0)
-        p2p = p2p + np.where(part, collective_p2p(partition_meta_bytes(c["tp"]).astype(float), sizes, cluster), 0.0)
+        meta = collective_p2p(partition_meta_bytes(c["tp"]).astype(float), sizes, cluster)
+        p2p = p2p + np.where(partitioned(c, engine), meta, 0.0)
     return p2p
 
 
-def nic_hops(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: ClusterSpec, sizes: Mesh, engine: Engine,
-             pp: int) -> Any:
+def nic_hops(extra: dict[str, Any], p2p: np.ndarray | None, sizes: Mesh, cluster: ClusterSpec) -> Any:
     """Each rank's per-microbatch pipeline p2p that crosses nodes [n, p] (cost.p2p.add_hop's Rank.pp_nic): the
-    hops' transfers (with DeepSpeed's PartitionedTensor its meta tensor too) where the pp group crosses nodes."""
-    if pp == 1:
+    hops' transfers (cut_p2p's `p2p`; None without a pipeline) where the pp group crosses nodes."""
+    if p2p is None:
         return 0.0
-    p2p = _cut_p2p(np.asarray(extra["out_bytes"], dtype=float), c, sizes, cluster, engine)
-    crosses = per_mesh(sizes, lambda config: float(comm.group_placement(
-        config, ("pp",), cluster.devices_per_node).crosses_nodes), "pp-crosses-nodes")
-    return extra["hops"] * (p2p * crosses)[:, None]
+    return extra["hops"] * (p2p * crosses_s(sizes, ("pp",), cluster))[:, None]
 
 
-def nic_shared(reduce: np.ndarray, f: dict[str, np.ndarray], extra: dict[str, np.ndarray], c: dict[str, np.ndarray],
-                cluster: ClusterSpec, sizes: Mesh, engine: Engine, pp: int) -> tuple[np.ndarray, np.ndarray]:
+def nic_shared(reduce: np.ndarray, f: dict[str, np.ndarray], extra: dict[str, np.ndarray], p2p: np.ndarray | None,
+               cluster: ClusterSpec, sizes: Mesh) -> tuple[np.ndarray, np.ndarray]:
     """cost.dataparallel._nic_shared (pipeline.nic_shared_reduce_s) per [candidate, rank]: where the dense data-parallel group crosses nodes,
-    the CP exchange (where the cp group crosses them too) and the pipeline hops across nodes share its NIC."""
-    def crosses(axes: tuple[str, ...]) -> np.ndarray:
-        return per_mesh(sizes, lambda config: float(comm.group_placement(
-            config, axes, cluster.devices_per_node).crosses_nodes), (axes, "crosses-nodes"))[:, None]
-
-    dp = crosses(("dp", "ep", "cp"))
-    nic_in = f["cp"] * crosses(("cp",)) * dp
-    nic_out = nic_hops(extra, c, cluster, sizes, engine, pp) * dp
+    the CP exchange (where the cp group crosses them too) and the pipeline hops across nodes (nic_hops of
+    cut_p2p's `p2p`) share its NIC."""
+    dp = crosses_s(sizes, DENSE_DP, cluster)[:, None]
+    nic_in = f["cp"] * crosses_s(sizes, ("cp",), cluster)[:, None] * dp
+    nic_out = nic_hops(extra, p2p, sizes, cluster) * dp
     return nic_shared_reduce_s(reduce, f["time"], nic_in, nic_out)
 
 
@@ -162,7 +171,7 @@ def tied_reduce(extra: dict[str, Any], c: dict[str, np.ndarray], cluster: Cluste
     tied = float(extra.get("tied", 0))
     if not tied or pp == 1 or int(extra.get("last_rank", pp - 1)) == 0:
         return np.zeros(len(c["tp"]))
-    crosses = _pp_crosses(cluster)
+    crosses = _crosses(cluster, ("pp",))
     return price_rows(sizes, tied / c["tp"] * wire, lambda row: tied_pair(crosses(row)),
                       lambda b, g: comm.all_reduce_s(b, g, cluster), ("tied-pair", "ar"))
 

@@ -25,7 +25,7 @@ from autoplan.search.assemble import assemble_shared, microbatches
 from autoplan.search.deepspeed_terms import _deepspeed_step_terms, block_weights, max_param_numel
 from autoplan.search.layercache import layer_costs
 from autoplan.search.pricing import Pricing, int_codes
-from autoplan.search.rootunit import ROOT_PER_KEY, rank_roots
+from autoplan.search.rootunit import ROOT_PER_KEY, ROOT_SHARED, rank_roots, uses_roots
 from autoplan.search.schedules import by_schedule
 from autoplan.search.schedules import inflight as _inflight
 from autoplan.search.space import RECOMPUTES, SCHEDULES, Space
@@ -174,11 +174,14 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
     max_numel = max_param_numel(graph, table, key_of, c["tp"],
                                 (FIELDS.index("dense_params"), FIELDS.index("expert_params")))
     prices: dict = {}  # every collective priced once per quick estimate (search/pricing.py)
+    constants = {"tied": graph.tied_embedding_params, "seq_len": graph.seq_len, "hidden": block_hidden(graph.layers),
+                 "ds_block_weights": block_weights(graph)}  # the graph's, the same for every row
     for idx in _pipeline_shapes(c["pp"], c["virtual_stages"], v_shape):
         pp, v = int(c["pp"][idx[0]]), int(c["virtual_stages"][idx[0]])
         keys, inverse = np.unique(key_of[idx], return_inverse=True)
         shape = _shape_tables(graph, space.config(int(idx[0])), table, cum, keys, cost,
-                              chunks=engine.grad_sync_per_chunk or engine.param_gather_per_chunk)
+                              chunks=engine.grad_sync_per_chunk or engine.param_gather_per_chunk,
+                              roots=uses_roots(engine, v))
         order = np.argsort(inverse.reshape(-1), kind="stable")  # the rows of each key together
         per_step = (_deepspeed_step_terms(graph, cluster, c, idx, cost, engine)
                     if engine.zero3 == "deepspeed" and (engine.zero3_regather_persistent or engine.zero3_small_grad_hooks
@@ -191,13 +194,11 @@ def quick_estimate(graph: LayerGraph, cluster: ClusterSpec, space: Space, global
                        for k in shape if k.startswith("chunk_")}
             extra = {**chunked, "hops": np.broadcast_to(shape["hops"], (len(first), pp)),
                      "out_bytes": shape["out_bytes"][key[first]], "act_sends": shape["act_sends"],
-                     "act_recvs": shape["act_recvs"], "tied": graph.tied_embedding_params,
-                     "last_rank": shape["last_rank"], "max_numel": max_numel[rows[first]],
-                     "max_params": shape["max_params"][key[first]], "work": shape["work"][key[first]],
-                     **{k: shape[k][key[first]] for k in ROOT_PER_KEY},
-                     **{k: shape[k] for k in ("root_layers", "rank_blocks", "head_and_block")},
-                     "seq_len": graph.seq_len, "hidden": block_hidden(graph.layers),
-                     "ds_block_weights": block_weights(graph)}
+                     "act_recvs": shape["act_recvs"], "last_rank": shape["last_rank"],
+                     "max_numel": max_numel[rows[first]], "max_params": shape["max_params"][key[first]],
+                     "work": shape["work"][key[first]], **constants,
+                     **{k: shape[k][key[first]] for k in ROOT_PER_KEY if k in shape},
+                     **{k: shape[k] for k in ROOT_SHARED}}
             if per_step is not None:
                 extra.update({k: a[order[part]][first] for k, a in per_step.items()})
             f = {name: shape["per_rank"][:, :, i][key[first]] for i, name in enumerate(SUMMED) if name != "act"}
@@ -238,11 +239,12 @@ def _chunks(sorted_keys: np.ndarray, rows: int) -> list[slice]:
 
 
 def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, cum: np.ndarray, keys: np.ndarray,
-                  cost: Any, *, chunks: bool = False) -> dict[str, np.ndarray]:
+                  cost: Any, *, chunks: bool = False, roots: bool = True) -> dict[str, np.ndarray]:
     """For one pipeline shape (the config's pp, virtual stages and schedule: the schedule decides the placement,
     plan.layout.stage_ranks) and the layer-table keys `keys`: the per-rank sums of the SUMMED fields [keys, p, F]
     (from `cum`, their cumulative sums over the layers), the per-rank maxima of params and work [keys, p],
-    layers per rank, p2p hops, what a pipeline cut sends and FSDP2's root groups (search/rootunit.rank_roots);
+    layers per rank, p2p hops, what a pipeline cut sends and FSDP2's root groups (search/rootunit.rank_roots: its
+    per-key tables only with `roots`, rootunit.uses_roots);
     with `chunks` (Engine.grad_sync_per_chunk, param_gather_per_chunk) each rank's chunks' backward, forward,
     dense and expert parameters and fresh-gradient saving [keys, v, p] and layers [v, p] (cost.chunksync)."""
     pp, v = config.pp, config.virtual_stages
@@ -250,21 +252,23 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
     stages = cost.balanced_stages(graph, config)
     bounds = np.array([names[s[0]] for s in stages] + [len(names)])  # stages are contiguous, in order
     ranks = stage_ranks(config)
+    held = rank_stages(ranks, pp)
     placement = np.zeros((pp * v, pp))
     placement[np.arange(pp * v), ranks] = 1.0  # [stage, rank]
     sub = cum[keys[:, None], bounds[None, :]]  # [keys, S + 1, F]: the cumulative sums at the cuts
     per_stage = sub[:, 1:] - sub[:, :-1]  # [keys, S, F]
     block = next((i for i, layer in enumerate(graph.layers) if layer.role is LayerRole.BLOCK), 0)
-    out = {"per_rank": _per_rank(per_stage, placement, ranks), "layers_per_rank": np.diff(bounds) @ placement,
-           "hops": _hops(ranks, pp), "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
-           "last_rank": ranks[-1], **_cut_sides(ranks, pp)}
-    out["max_params"], out["work"] = _rank_maxima(graph, table, keys, bounds, ranks, pp)
+    sides = _cut_sides(ranks, pp)
+    out = {"per_rank": _per_rank(per_stage, placement, held), "layers_per_rank": np.diff(bounds) @ placement,
+           "hops": sides["act_sends"] + sides["act_recvs"], "out_bytes": table[keys, block, FIELDS.index("out_bytes")],
+           "last_rank": ranks[-1], **sides}
+    out["max_params"], out["work"] = _rank_maxima(graph, table, keys, bounds, held)
     cols = {"dense": FIELDS.index("dense_params"), "fwd": FIELDS.index("fwd"), "time": FIELDS.index("time")}
-    out.update(rank_roots(graph, table, keys, bounds, ranks, pp, cols))
+    out.update(rank_roots(graph, table, keys, bounds, ranks, pp, cols, tables=roots))
     if not chunks:
         return out
     # each rank's chunks [v, p] (rank r's c-th stage) for cost.chunksync: their backward and gradients
-    chunk_of = np.array([[i for i, r in enumerate(ranks) if r == k] for k in range(pp)]).T
+    chunk_of = np.array(held).T
     time, fwd, dense, expert, fresh = (per_stage[:, :, SUMMED.index(n)][:, chunk_of]  # [keys, v, p]
                                        for n in ("time", "fwd", "dense_params", "expert_params", "fresh"))
     out.update(chunk_bwd=time - fwd, chunk_fwd=fwd, chunk_dense=dense, chunk_expert=expert, chunk_fresh=fresh,
@@ -272,24 +276,30 @@ def _shape_tables(graph: LayerGraph, config: ParallelConfig, table: np.ndarray, 
     return out
 
 
+def rank_stages(ranks: tuple[int, ...], pp: int) -> tuple[tuple[int, ...], ...]:
+    """The stages each pipeline rank holds, in stage order (stage s runs on rank ranks[s]: plan.layout.stage_ranks)."""
+    return tuple(tuple(s for s, r in enumerate(ranks) if r == k) for k in range(pp))
+
+
 def _rank_maxima(graph: LayerGraph, table: np.ndarray, keys: np.ndarray, bounds: np.ndarray,
-                 ranks: tuple[int, ...], pp: int) -> tuple[np.ndarray, np.ndarray]:
-    """The per-rank maxima of params and work over the rank's layers [keys, p]. Every layer of a kind has
+                 held: tuple[tuple[int, ...], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """The per-rank maxima of params and work over the rank's layers [keys, p] (rank r holds stages held[r]:
+    rank_stages). Every layer of a kind has
     its kind's values (layer_table), so the maximum over a rank's layers is the maximum over the kinds it
     holds: a few columns of the table, not all of its layers (max is exact, so the figures are the same);
     a shape with an empty stage takes numpy's reduceat over the layers, as before."""
     fields = [FIELDS.index("params"), FIELDS.index("work")]
     if (np.diff(bounds) == 0).any():
         stage_max = [np.maximum.reduceat(table[keys, :, f], bounds[:-1], axis=1) for f in fields]
-        return tuple(np.stack([m[:, [s for s, r in enumerate(ranks) if r == k]].max(axis=1) for k in range(pp)],
-                              axis=1) for m in stage_max)
+        return tuple(np.stack([m[:, list(stages)].max(axis=1) for stages in held], axis=1) for m in stage_max)
     names: dict[str, int] = {}
     kind_of = np.array([names.setdefault(layer.kind, len(names)) for layer in graph.layers])
     _, rep = np.unique(kind_of, return_index=True)  # a layer of each kind
-    held = np.zeros((pp, len(rep)), dtype=bool)  # [rank, kind]: whether the rank holds a layer of the kind
-    for s, r in enumerate(ranks):
-        held[r, kind_of[bounds[s]:bounds[s + 1]]] = True
-    sets, set_of = np.unique(held, axis=0, return_inverse=True)  # the few distinct sets of kinds a rank holds
+    kinds = np.zeros((len(held), len(rep)), dtype=bool)  # [rank, kind]: whether the rank holds a layer of the kind
+    for r, stages in enumerate(held):
+        for s in stages:
+            kinds[r, kind_of[bounds[s]:bounds[s + 1]]] = True
+    sets, set_of = np.unique(kinds, axis=0, return_inverse=True)  # the few distinct sets of kinds a rank holds
     values = table[keys[:, None], rep[None, :]]  # [keys, kinds, F]
     return tuple(np.stack([values[:, held_kinds, f].max(axis=1) for held_kinds in sets], axis=1)[:, set_of.reshape(-1)]
                  for f in fields)
@@ -306,13 +316,12 @@ def _pipeline_shapes(pp: np.ndarray, v: np.ndarray, v_shape: np.ndarray) -> list
     return np.split(order, starts[1:])
 
 
-def _per_rank(per_stage: np.ndarray, placement: np.ndarray, ranks: tuple[int, ...]) -> np.ndarray:
+def _per_rank(per_stage: np.ndarray, placement: np.ndarray, held: tuple[tuple[int, ...], ...]) -> np.ndarray:
     """Each rank's sum of its stages' fields [keys, p, F]: einsum("ksf,sr->krf", per_stage, placement), which
     adds each rank's stages to zero in stage order; so does this, one stage per rank at a time, when every
-    rank holds as many stages (test_search_surrogate checks it against einsum), in O(stages) not
-    O(stages x ranks)."""
+    rank holds as many stages (held[r]: rank r's, rank_stages; test_search_surrogate checks it against
+    einsum), in O(stages) not O(stages x ranks)."""
     pp = placement.shape[1]
-    held = [[s for s, r in enumerate(ranks) if r == k] for k in range(pp)]
     if len({len(h) for h in held}) != 1:
         return np.einsum("ksf,sr->krf", per_stage, placement)
     out = np.zeros((per_stage.shape[0], pp, per_stage.shape[2]))
@@ -321,20 +330,10 @@ def _per_rank(per_stage: np.ndarray, placement: np.ndarray, ranks: tuple[int, ..
     return out
 
 
-def _hops(placement: tuple[int, ...], pp: int) -> np.ndarray:
-    """Point-to-point transfers per microbatch on each rank: one per cut between stages on different
-    ranks, counted on both sides (the sender's forward, the receiver's backward), as estimate_config."""
-    out = np.zeros(pp)
-    for a, b in itertools.pairwise(placement):
-        if a != b:
-            out[a] += 1.0
-            out[b] += 1.0
-    return out
-
-
 def _cut_sides(placement: tuple[int, ...], pp: int) -> dict[str, np.ndarray]:
     """Per rank, the cuts between stages on different ranks where it sends the activation (and receives its
-    gradient) and where it receives it (p2p.add_hop's a and b sides)."""
+    gradient) and where it receives it (p2p.add_hop's a and b sides); their sum is the rank's point-to-point
+    transfers per microbatch ("hops": each cut counted on both sides, as estimate_config)."""
     sends, recvs = np.zeros(pp), np.zeros(pp)
     for a, b in itertools.pairwise(placement):
         if a != b:

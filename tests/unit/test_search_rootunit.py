@@ -97,3 +97,23 @@ def test_with_the_root_group_the_quick_estimate_stays_with_the_exact_model(engin
     err = np.abs(quick - exact) / exact
     assert err.mean() <= 0.005 and err.max() <= 0.04, (err.mean(), err.max())
     assert scipy.stats.spearmanr(exact, quick).statistic >= 0.99
+
+
+@pytest.mark.parametrize("name", ["deepspeed", "megatron-core", "autoplan"])
+def test_skipping_the_root_tables_changes_no_figure(name: str, monkeypatch) -> None:
+    """surrogate builds rank_roots' per-key tables only where rootunit.uses_roots (FSDP2, one chunk per
+    rank): every quick step time and peak equals, to the bit, the one with the tables built for every shape
+    (DeepSpeed's stage 3 still reads rank_blocks; autoplan's interleaved shapes at v 2 skip them)."""
+    from autoplan.search import surrogate
+
+    graph = gpt_graph(h=512, a=8, layers=4, seq=1024, vocab=32000, unfused=False)
+    cluster = a100_cluster(2)
+    space = enumerate_space(graph, cluster, SearchOptions(global_batch=16, tp=(1, 2), pp=(1, 2), microbatch=(1,),
+                                                          recompute=("none",)))
+    eng = cost.with_engine(every_zero_stage(Engine.load(name)))
+    skipped = quick_estimate(graph, cluster, space, 16, eng)
+    assert (space.columns["virtual_stages"] > 1).any() and (space.columns["zero"] == 3).any()
+    monkeypatch.setattr(surrogate, "uses_roots", lambda engine, v: True)
+    built = quick_estimate(graph, cluster, space, 16, eng)
+    assert skipped.step_time_s.tobytes() == built.step_time_s.tobytes()
+    assert skipped.peak_mem_bytes.tobytes() == built.peak_mem_bytes.tobytes()

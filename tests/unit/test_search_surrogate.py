@@ -17,7 +17,7 @@ from autoplan.plan.engine import Engine
 from autoplan.plan.layout import stage_ranks
 from autoplan.plan.types import ParallelConfig, Schedule
 from autoplan.search.space import SearchOptions, enumerate_space
-from autoplan.search.surrogate import _per_rank, quick_estimate
+from autoplan.search.surrogate import _per_rank, quick_estimate, rank_stages
 
 GRAPH = gpt_graph(h=1024, a=16, layers=8, seq=1024, vocab=8192)
 CLUSTER = a100_cluster(2, per_node=4)
@@ -98,7 +98,7 @@ def test_per_rank_sums_equal_the_einsum_over_the_placement_bit_for_bit() -> None
         per_stage = rng.random((64, pp * v, 5)) * 10.0 ** rng.integers(-3, 12, (64, pp * v, 5))
         per_stage[0] = -0.0  # einsum starts from +0.0
         want = np.einsum("ksf,sr->krf", per_stage, placement)
-        got = _per_rank(per_stage, placement, ranks)
+        got = _per_rank(per_stage, placement, rank_stages(ranks, pp))
         assert got.tobytes() == want.tobytes(), (pp, v, schedule)
 
 
@@ -147,6 +147,6 @@ def test_rank_maxima_are_the_maxima_over_each_ranks_layers() -> None:
         want = [np.stack([table[keys][:, [i for s, r in enumerate(ranks) if r == k
                                            for i in range(bounds[s], bounds[s + 1])] or [bounds[-2]], f].max(axis=1)
                           for k in range(pp)], axis=1) for f in (FIELDS.index("params"), FIELDS.index("work"))]
-        got = _rank_maxima(GRAPH, table, keys, np.array(bounds), ranks, pp)
+        got = _rank_maxima(GRAPH, table, keys, np.array(bounds), rank_stages(ranks, pp))
         for a, b in zip(got, want):
             assert a.tobytes() == b.tobytes(), (bounds, ranks)
