@@ -7,7 +7,7 @@ bench/data/vtrain), the SC'21 calibration rows and Korthikanti et al.'s per-laye
 (bench/data/calibration). Checks, printed and never fitted to: the other published runs in
 bench/data/published (SC'21 Tables 1-2, Llama 3 405B, torchtitan on A100, Megatron-Core r0.8.0 on H100,
 MegaScale's Megatron-LM baseline on A100, NVIDIA's DGX Cloud Benchmarking BF16 rows of NeMo / Megatron-Core on
-DGX H100: megatron-bridge-h100), the same-scale ZeRO-3 vs PTD-P pairs and whether every run that ran
+DGX H100: dgxc-h100), the same-scale ZeRO-3 vs PTD-P pairs and whether every run that ran
 is predicted to fit. Records whose source leaves a setting unpublished may list "alternatives" (other
 plausible values, from the record's own text or the engine's defaults / validation): each is priced and
 printed beside the recorded error, never used by the summaries. Errors are step-time errors, predicted / measured - 1: negative means predicted too fast.

@@ -1,4 +1,4 @@
-"""The megatron-bridge-h100 records (bench/data/published): NVIDIA's DGX Cloud Benchmarking BF16 rows on DGX H100
+"""The dgxc-h100 records (bench/data/published): NVIDIA's DGX Cloud Benchmarking BF16 rows on DGX H100
 (NVIDIA/dgxc-benchmarking v24.11.1): well-formed, dense, and their published figures consistent with each other
 through the README's own formulas, computed here by hand."""
 
@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from published import measured_step_s, megatron_core_flops, records
 
-SET = "megatron-bridge-h100"
+SET = "dgxc-h100"
 H100_BF16 = 989e12  # the READMEs' 'peak theoretical throughput ... for H100 BF16 is 989 TFLOPS'
 # The READMEs' model flops for GBS=1, as printed (rounded to 3 digits), per README
 README_FLOPS = {"llama3.1-8b": 4.74e14, "llama3.1-70b": 3.94e15, "llama3.1-405b": 2.17e16, "gpt3-175b": 2.20e15}
