@@ -23,6 +23,7 @@ from autoplan.plan.engine import (
     SELECTIVE_KINDS,
     ZERO3_KINDS,
     Engine,
+    is_zero_stage,
 )
 
 SCHEMA_VERSION = 1
@@ -64,7 +65,7 @@ def _value(key: str, value: Any, path: str) -> Any:
             raise ValueError(f"{path}: field {key!r} must be a non-negative integer, got {value!r}{hint}")
         return value
     if kind == "tuple[int, ...]":  # zero_stages: a YAML list of stages
-        if not isinstance(value, list) or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in value):
+        if not isinstance(value, list) or not all(is_zero_stage(z) for z in value):
             raise ValueError(f"{path}: field {key!r} must be a YAML list of ZeRO stages among 0, 1, 2, 3 "
                              f"(e.g. [0, 1]), got {value!r}")
         return tuple(value)

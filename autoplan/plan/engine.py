@@ -19,10 +19,27 @@ ATTENTION_KINDS = ("flash", "unfused")
 SELECTIVE_KINDS = ("attention", "op")
 ZERO3_KINDS = ("fsdp2", "deepspeed")
 GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
+# ParallelConfig.zero (Rajbhandari et al., ZeRO, SC'20): 0 replicated, 1 + optimizer states, 2 + gradients,
+# 3 + weights sharded
+ZERO_STAGES = (0, 1, 2, 3)
 RMSNORM_KINDS = ("eager", "eager_fp32", "fused")
 # what an engine overlaps with the compute it issues from the same host thread (none under launch_blocking)
 OVERLAP_FIELDS = ("tp_comm_overlap", "tp_bwd_overlap", "dp_comm_overlap", "param_gather_overlap", "cp_comm_overlap",
                   "grad_reduce_async", "pp_p2p_overlap")
+
+
+def is_zero_stage(value: object) -> bool:
+    """Whether `value` is a ZeRO stage at all (among ZERO_STAGES; a bool is not, though True == 1): the one
+    test behind ParallelConfig.zero, SearchOptions.zero, plan.layout.zero_layout, Engine.zero_stages and an
+    engine YAML's list (Engine.runs_zero asks, beside it, whether an engine runs the stage)."""
+    return not isinstance(value, bool) and value in ZERO_STAGES
+
+
+def check_zero_stage(value: object, *, integer: bool = False) -> None:
+    """ValueError, one line, unless `value` is a ZeRO stage (is_zero_stage; with `integer`, also an int, as a
+    ParallelConfig's must be: 2.0 is refused there)."""
+    if not is_zero_stage(value) or (integer and not isinstance(value, int)):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,7 +145,7 @@ class Engine:
     # the ZeRO stages (ParallelConfig.zero) the engine runs, ascending, 0 among them (a plan with nothing data
     # parallel runs unsharded under every engine); the search enumerates only these and a config with another
     # is refused before pricing (check_zero). Each engine YAML cites its engine's code for its list
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    zero_stages: tuple[int, ...] = ZERO_STAGES
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:
@@ -162,16 +179,21 @@ class Engine:
     def _check_zero_stages(self) -> None:
         """zero_stages as a sorted tuple (a JSON list comes back as one) of distinct stages among 0-3, with 0."""
         stages = self.zero_stages
-        if not isinstance(stages, (list, tuple)) or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in stages):
+        if not isinstance(stages, (list, tuple)) or not all(is_zero_stage(z) for z in stages):
             raise ValueError(f"engine field 'zero_stages' must be a list of ZeRO stages among 0, 1, 2, 3, got {stages!r}")
         if 0 not in stages or len(set(stages)) != len(stages):
             raise ValueError(f"engine field 'zero_stages' must list distinct stages with 0 among them (a plan with "
                              f"nothing data parallel runs unsharded), got {list(stages)}")
         object.__setattr__(self, "zero_stages", tuple(sorted(stages)))
 
+    def runs_zero(self, stage: object) -> bool:
+        """Whether this engine runs ZeRO stage `stage` (a stage at all, is_zero_stage, among zero_stages): the
+        one test behind check_zero, the search's stages (search/space.py engine_zero) and the refusals."""
+        return is_zero_stage(stage) and stage in self.zero_stages
+
     def check_zero(self, zero: int) -> None:
-        """ValueError, one line, when this engine does not run ZeRO stage `zero` (zero_stages)."""
-        if zero not in self.zero_stages:
+        """ValueError, one line, when this engine does not run ZeRO stage `zero` (runs_zero)."""
+        if not self.runs_zero(zero):
             runs = ", ".join(map(str, self.zero_stages))
             raise ValueError(f"engine {self.name!r} runs ZeRO stage(s) {runs} only (its zero_stages), not zero {zero}: "
                              f"use --zero / zero= among {runs}, or an engine that runs stage {zero}")

@@ -17,7 +17,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.engine import Engine
+from autoplan.plan.engine import ZERO_STAGES, Engine, check_zero_stage, is_zero_stage
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
 from autoplan.search.folding import expert_layouts, with_expert_layouts
 from autoplan.search.hetero import stage_fits_groups
@@ -40,7 +40,7 @@ class SearchOptions:
     cp: tuple[int, ...] | None = None
     ep: tuple[int, ...] | None = None
     microbatch: tuple[int, ...] | None = None
-    zero: tuple[int, ...] = (0, 1, 2, 3)
+    zero: tuple[int, ...] = ZERO_STAGES
     sp: tuple[bool, ...] = (False, True)
     schedules: tuple[Schedule, ...] = SCHEDULES
     recompute: tuple[Recompute, ...] = RECOMPUTES
@@ -67,8 +67,7 @@ class SearchOptions:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         zero = _as_tuple(self.zero)
         for z in zero:
-            if isinstance(z, bool) or z not in (0, 1, 2, 3):
-                raise ValueError(f"zero must be 0, 1, 2 or 3, got {z!r}")
+            check_zero_stage(z)
         object.__setattr__(self, "zero", zero)
         sp = _as_tuple(self.sp)
         if any(not isinstance(s, bool) for s in sp):
@@ -86,7 +85,7 @@ def engine_zero(zero: object, engine: Engine) -> tuple:
         return engine.zero_stages
     given = _as_tuple(zero)
     for z in given:
-        if not isinstance(z, bool) and z in (0, 1, 2, 3):
+        if is_zero_stage(z):
             engine.check_zero(z)
     return given
 
