@@ -74,8 +74,10 @@ SEARCH_FLAGS = {
     "ep": "--ep", "microbatch": "--microbatch", "zero": "--zero", "sp": "--sp", "schedules": "--schedules",
     "recompute": "--recompute", "max_virtual_stages": "--max-virtual-stages", "max_tp": "--max-tp",
     "use_ilp": "--no-ilp", "progress": "--quiet", "etp": "--etp", "eep": "--eep", "fold_experts": "--no-fold",
+    "zero_with_pp": "--zero-with-pp",
 }
-_LIST_FLAGS = ("tp", "pp", "dp", "cp", "ep", "microbatch", "zero", "sp", "schedules", "recompute", "etp", "eep")
+_LIST_FLAGS = ("tp", "pp", "dp", "cp", "ep", "microbatch", "zero", "sp", "schedules", "recompute", "etp", "eep",
+               "zero_with_pp")
 
 
 def _add_search_flags(parser: argparse.ArgumentParser) -> None:
@@ -86,6 +88,8 @@ def _add_search_flags(parser: argparse.ArgumentParser) -> None:
                        if name != "microbatch" else "microbatch size(s): sequences per microbatch per replica")
     g.add_argument("--max-tp", dest="max_tp", type=int, default=None, metavar="N", help="tp at most N")
     g.add_argument("--zero", default=None, metavar="Z[,Z]", help="ZeRO stage(s) among 0,1,2,3")
+    g.add_argument("--zero-with-pp", dest="zero_with_pp", default=None, metavar="Z[,Z]",
+                   help="ZeRO stage(s) where pp > 1, among --zero (default: those the engine runs with a pipeline)")
     g.add_argument("--sp", default=None, metavar="on|off|on,off", help="sequence parallelism (default: both)")
     g.add_argument("--schedules", default=None, metavar="S[,S]", help="pipeline schedules among "
                    + ",".join(s.value for s in Schedule))
@@ -297,9 +301,11 @@ def cmd_clusters(args: argparse.Namespace) -> int:
 def cmd_engines(args: argparse.Namespace) -> int:
     from autoplan.plan.engine import Engine
 
-    print(f"{'name':<18} {'attention':<9} {'zero':<7} {'zero3':<9} {'tp overlap':<10} {'dp overlap':<10} description")
+    print(f"{'name':<18} {'attention':<9} {'zero':<7} {'zero pp>1':<9} {'schedules (pp>1)':<26} {'zero3':<9} "
+          f"{'tp overlap':<10} {'dp overlap':<10} description")
     for name in Engine.names():
         e = Engine.load(name)
-        print(f"{name:<18} {e.attention:<9} {','.join(map(str, e.zero_stages)):<7} {e.zero3:<9} "
+        print(f"{name:<18} {e.attention:<9} {','.join(map(str, e.zero_stages)):<7} "
+              f"{','.join(map(str, e.zero_stages_at(2))):<9} {','.join(e.schedules):<26} {e.zero3:<9} "
               f"{str(e.tp_comm_overlap).lower():<10} {str(e.dp_comm_overlap).lower():<10} {e.description}")
     return 0

@@ -23,7 +23,9 @@ from autoplan.plan.engine import (
     SELECTIVE_KINDS,
     ZERO3_KINDS,
     Engine,
+    is_zero_stage,
 )
+from autoplan.plan.types import Schedule
 
 SCHEMA_VERSION = 1
 _CHOICES = {"attention": ATTENTION_KINDS, "zero3": ZERO3_KINDS, "zero3_grad_reduction": GRAD_REDUCTIONS,
@@ -63,11 +65,16 @@ def _value(key: str, value: Any, path: str) -> Any:
             hint = " (YAML reads yes / no / on / off as booleans)" if isinstance(value, bool) else ""
             raise ValueError(f"{path}: field {key!r} must be a non-negative integer, got {value!r}{hint}")
         return value
-    if kind == "tuple[int, ...]":  # zero_stages: a YAML list of stages
-        if not isinstance(value, list) or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in value):
+    if kind in ("tuple[int, ...]", "tuple[int, ...] | None"):  # zero_stages(_with_pp): a YAML list of stages
+        if value is None and kind.endswith("None"):  # null: as zero_stages
+            return None
+        if not isinstance(value, list) or not all(is_zero_stage(z) for z in value):
+            null = ", or null: as zero_stages" if kind.endswith("None") else ""
             raise ValueError(f"{path}: field {key!r} must be a YAML list of ZeRO stages among 0, 1, 2, 3 "
-                             f"(e.g. [0, 1]), got {value!r}")
+                             f"(e.g. [0, 1]{null}), got {value!r}")
         return tuple(value)
+    if kind == "tuple[str, ...]":  # schedules: a YAML list of ParallelConfig.schedule names
+        return _schedules(key, value, path)
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
             raise ValueError(f"{path}: field {key!r} must be a probability in [0, 1), got {value!r}")
@@ -77,6 +84,18 @@ def _value(key: str, value: Any, path: str) -> Any:
         raise ValueError(f"{path}: field {key!r} must be one of {', '.join(map(repr, _CHOICES[key]))}, got "
                          f"{value!r}{_suggest(value, _CHOICES[key])}")
     return value
+
+
+def _schedules(key: str, value: Any, path: str) -> tuple[str, ...]:
+    names = tuple(s.value for s in Schedule)
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{path}: field {key!r} must be a YAML list of pipeline schedules among "
+                         f"{', '.join(map(repr, names))} (e.g. [1f1b, interleaved]), got {value!r}")
+    for v in value:
+        if str(v) not in names:
+            raise ValueError(f"{path}: field {key!r}: unknown pipeline schedule {v!r}: choose among "
+                             f"{', '.join(map(repr, names))}{_suggest(str(v), names)}")
+    return tuple(str(v) for v in value)
 
 
 def parse_engine(data: Any, path: str) -> Engine:

@@ -123,7 +123,8 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     microbatch included) + the exposed once-per-step gradient reduction + the exposed once-per-step
     weight all-gather + the optimizer step."""
     engine = engine or Engine()
-    engine.check_zero(config.zero)  # a stage the engine does not run is refused, not priced
+    engine.check_zero(config.zero, pp=config.pp)  # a stage or schedule the engine does not run is refused, not priced
+    engine.check_schedule(config.schedule, pp=config.pp)
     if not overlap_dp and engine.dp_comm_overlap:
         engine = dataclasses.replace(engine, dp_comm_overlap=False)
     m = check_config(graph, cluster, config, global_batch, explicit_stages=stages is not None)

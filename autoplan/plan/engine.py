@@ -19,10 +19,37 @@ ATTENTION_KINDS = ("flash", "unfused")
 SELECTIVE_KINDS = ("attention", "op")
 ZERO3_KINDS = ("fsdp2", "deepspeed")
 GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
+# ParallelConfig.zero (Rajbhandari et al., ZeRO, SC'20): 0 replicated, 1 + optimizer states, 2 + gradients,
+# 3 + weights sharded
+ZERO_STAGES = (0, 1, 2, 3)
 RMSNORM_KINDS = ("eager", "eager_fp32", "fused")
 # what an engine overlaps with the compute it issues from the same host thread (none under launch_blocking)
 OVERLAP_FIELDS = ("tp_comm_overlap", "tp_bwd_overlap", "dp_comm_overlap", "param_gather_overlap", "cp_comm_overlap",
                   "grad_reduce_async", "pp_p2p_overlap")
+
+
+def is_zero_stage(value: object) -> bool:
+    """Whether `value` is a ZeRO stage at all (among ZERO_STAGES; a bool is not, though True == 1): the one
+    test behind ParallelConfig.zero, SearchOptions.zero, plan.layout.zero_layout, Engine.zero_stages and an
+    engine YAML's list (Engine.runs_zero asks, beside it, whether an engine runs the stage)."""
+    return not isinstance(value, bool) and value in ZERO_STAGES
+
+
+def check_zero_stage(value: object, *, integer: bool = False) -> None:
+    """ValueError, one line, unless `value` is a ZeRO stage (is_zero_stage; with `integer`, also an int, as a
+    ParallelConfig's must be: 2.0 is refused there)."""
+    if not is_zero_stage(value) or (integer and not isinstance(value, int)):
+        raise ValueError(f"zero must be 0, 1, 2 or 3, got {value!r}")
+
+
+def _stage_list(name: str, stages: object) -> tuple[int, ...]:
+    """An engine field listing ZeRO stages (zero_stages, zero_stages_with_pp) as a sorted tuple, or ValueError."""
+    if not isinstance(stages, (list, tuple)) or not all(is_zero_stage(z) for z in stages):
+        raise ValueError(f"engine field {name!r} must be a list of ZeRO stages among 0, 1, 2, 3, got {stages!r}")
+    if 0 not in stages or len(set(stages)) != len(stages):
+        raise ValueError(f"engine field {name!r} must list distinct stages with 0 among them (a plan with "
+                         f"nothing data parallel runs unsharded), got {list(stages)}")
+    return tuple(sorted(stages))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -128,7 +155,15 @@ class Engine:
     # the ZeRO stages (ParallelConfig.zero) the engine runs, ascending, 0 among them (a plan with nothing data
     # parallel runs unsharded under every engine); the search enumerates only these and a config with another
     # is refused before pricing (check_zero). Each engine YAML cites its engine's code for its list
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    zero_stages: tuple[int, ...] = ZERO_STAGES
+    # ... and those it runs with a pipeline (pp > 1), among zero_stages, 0 among them; None: zero_stages (an
+    # engine whose pipeline runs every stage it has). The search enumerates only these where pp > 1 and a
+    # config with another is refused (check_zero with its pp). Each engine YAML cites its engine's code
+    zero_stages_with_pp: tuple[int, ...] | None = None
+    # the pipeline schedules (ParallelConfig.schedule values) the engine runs where pp > 1 (with pp = 1 none
+    # runs: every engine's no-pipeline path); the search enumerates only these and a config or a forced
+    # schedule with another is refused (check_schedule). Each engine YAML cites its engine's code
+    schedules: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "zb")
     source: str = ""  # the file it came from
 
     def __post_init__(self) -> None:
@@ -142,6 +177,7 @@ class Engine:
             raise ValueError(f"engine field 'attention_dropout' must be a probability in [0, 1), got {self.attention_dropout!r}")
         self._check_launch_blocking()
         self._check_zero_stages()
+        self._check_schedules()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
@@ -160,21 +196,69 @@ class Engine:
                              f"so {', '.join(map(repr, on))} must be false")
 
     def _check_zero_stages(self) -> None:
-        """zero_stages as a sorted tuple (a JSON list comes back as one) of distinct stages among 0-3, with 0."""
-        stages = self.zero_stages
-        if not isinstance(stages, (list, tuple)) or any(isinstance(z, bool) or z not in (0, 1, 2, 3) for z in stages):
-            raise ValueError(f"engine field 'zero_stages' must be a list of ZeRO stages among 0, 1, 2, 3, got {stages!r}")
-        if 0 not in stages or len(set(stages)) != len(stages):
-            raise ValueError(f"engine field 'zero_stages' must list distinct stages with 0 among them (a plan with "
-                             f"nothing data parallel runs unsharded), got {list(stages)}")
-        object.__setattr__(self, "zero_stages", tuple(sorted(stages)))
+        """zero_stages as a sorted tuple (a JSON list comes back as one) of distinct stages among 0-3, with 0;
+        zero_stages_with_pp the same (or None), among zero_stages."""
+        object.__setattr__(self, "zero_stages", _stage_list("zero_stages", self.zero_stages))
+        if self.zero_stages_with_pp is None:
+            return
+        with_pp = _stage_list("zero_stages_with_pp", self.zero_stages_with_pp)
+        extra = sorted(set(with_pp) - set(self.zero_stages))
+        if extra:
+            raise ValueError(f"engine field 'zero_stages_with_pp' lists stage(s) {extra} that zero_stages "
+                             f"{list(self.zero_stages)} does not: a stage run with a pipeline is one the engine runs")
+        object.__setattr__(self, "zero_stages_with_pp", with_pp)
 
-    def check_zero(self, zero: int) -> None:
-        """ValueError, one line, when this engine does not run ZeRO stage `zero` (zero_stages)."""
-        if zero not in self.zero_stages:
+    def _check_schedules(self) -> None:
+        """schedules as a tuple in Schedule's order of distinct schedule names (a JSON list comes back as one).
+        Schedule is read when an Engine is built: plan.types imports this module."""
+        from autoplan.plan.types import Schedule
+
+        names = tuple(s.value for s in Schedule)
+        given = self.schedules
+        values = [str(getattr(v, "value", v)).lower() for v in given] if isinstance(given, (list, tuple)) else None
+        if not values or any(v not in names for v in values) or len(set(values)) != len(values):
+            raise ValueError(f"engine field 'schedules' must be a list of distinct pipeline schedules among "
+                             f"{', '.join(map(repr, names))}, got {given!r}")
+        object.__setattr__(self, "schedules", tuple(n for n in names if n in values))
+
+    def zero_stages_at(self, pp: int) -> tuple[int, ...]:
+        """The ZeRO stages this engine runs at pipeline degree `pp`: zero_stages, or zero_stages_with_pp where pp > 1."""
+        return self.zero_stages if pp <= 1 or self.zero_stages_with_pp is None else self.zero_stages_with_pp
+
+    def runs_zero(self, stage: object, *, pp: int = 1) -> bool:
+        """Whether this engine runs ZeRO stage `stage` at pipeline degree `pp` (a stage at all, is_zero_stage,
+        among zero_stages_at(pp)): the one test behind check_zero and the search's stages (search/space.py
+        engine_zero, engine_zero_with_pp)."""
+        return is_zero_stage(stage) and stage in self.zero_stages_at(pp)
+
+    def check_zero(self, zero: int, *, pp: int = 1) -> None:
+        """ValueError, one line, when this engine does not run ZeRO stage `zero` at pipeline degree `pp`
+        (runs_zero; pp > 1 also stands for 'only with a pipeline' in the search)."""
+        if self.runs_zero(zero, pp=pp):
+            return
+        if not self.runs_zero(zero):
             runs = ", ".join(map(str, self.zero_stages))
             raise ValueError(f"engine {self.name!r} runs ZeRO stage(s) {runs} only (its zero_stages), not zero {zero}: "
                              f"use --zero / zero= among {runs}, or an engine that runs stage {zero}")
+        runs = ", ".join(map(str, self.zero_stages_at(pp)))
+        raise ValueError(f"engine {self.name!r} runs ZeRO stage(s) {runs} only with a pipeline (pp > 1: its "
+                         f"zero_stages_with_pp), not zero {zero}: use --zero / zero= among {runs}, or pp=1, or an "
+                         f"engine that runs stage {zero} with a pipeline")
+
+    def runs_schedule(self, schedule: object) -> bool:
+        """Whether this engine's pipeline runs `schedule` (a Schedule or its name, among schedules)."""
+        return str(getattr(schedule, "value", schedule)).lower() in self.schedules
+
+    def check_schedule(self, schedule: object, *, pp: int | None = None) -> None:
+        """ValueError, one line, when a pipeline would run `schedule` and this engine does not (runs_schedule):
+        a config's pipeline degree `pp` (with pp = 1 no schedule runs: nothing to refuse), None for a schedule
+        the caller forces on the search."""
+        if (pp is not None and pp <= 1) or self.runs_schedule(schedule):
+            return
+        value, runs = str(getattr(schedule, "value", schedule)), ", ".join(self.schedules)
+        raise ValueError(f"engine {self.name!r} runs pipeline schedule(s) {runs} only (its schedules), not "
+                         f"{value!r}: use --schedule / --schedules / schedules= among {runs}, or an engine that "
+                         f"runs {value!r}")
 
     def bf16_optimizer_runs(self, dtype: str) -> bool:
         """Whether DeepSpeed's BF16_Optimizer runs a plan trained in `dtype`: the one gate of bf16_optimizer_grads,
@@ -215,7 +299,8 @@ class Engine:
         return engine_names()
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-native fields (zero_stages as a list; from_dict takes it back as the tuple)."""
+        """JSON-native fields (zero_stages, zero_stages_with_pp, schedules as lists; from_dict takes them back as
+        the tuples)."""
         return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()}
 
     @classmethod

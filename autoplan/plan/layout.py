@@ -3,7 +3,7 @@ which pipeline rank runs each stage, the default stage split, what each ZeRO sta
 communicates) in the engine that runs it, and which sizes must divide.
 
 Pure functions of a ParallelConfig and plain numbers; nothing else from autoplan is imported except the
-plan's own types, so the executor (which never imports cost/ or search/) calls the same functions.
+plan's own types (plan.types, plan.engine), so the executor (which never imports cost/ or search/) calls the same functions.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from autoplan.plan.engine import check_zero_stage
 from autoplan.plan.types import ParallelConfig, Schedule
 
 # --- pipeline placement -------------------------------------------------------------------------------
@@ -158,8 +159,7 @@ def zero_layout(config: ParallelConfig, num_microbatches: int, *, zero3: str = "
     buffered_allreduce_fallback of the BF16_Optimizer's fp32 gradients; its step updates the local shard and
     all-gathers the weights, bf16_optimizer.py all_gather_dp_groups)."""
     z = config.zero
-    if z not in (0, 1, 2, 3):
-        raise ValueError(f"zero must be 0, 1, 2 or 3, got {z!r}")
+    check_zero_stage(z)
     if zero3 not in ("fsdp2", "deepspeed"):
         raise ValueError(f"zero3 must be 'fsdp2' or 'deepspeed', got {zero3!r}")
     if config.num_replicas * config.cp == 1 or z == 0:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
-from autoplan.plan.engine import Engine
+from autoplan.plan.engine import Engine, check_zero_stage
 
 
 class _StrEnum(str, Enum):
@@ -108,8 +108,7 @@ class ParallelConfig:
                 f"etp*eep = {self.expert_tp}*{self.expert_ep} does not divide the {stage_ranks} ranks of a "
                 f"pipeline stage (dp*ep*cp*tp): choose expert degrees whose product divides {stage_ranks}"
             )
-        if isinstance(self.zero, bool) or not isinstance(self.zero, int) or not 0 <= self.zero <= 3:
-            raise ValueError(f"zero must be 0, 1, 2 or 3, got {self.zero!r}")
+        check_zero_stage(self.zero, integer=True)
         if not isinstance(self.sp, bool):
             raise ValueError(f"sp must be true or false, got {self.sp!r}")
         object.__setattr__(self, "schedule", _parse_enum(Schedule, self.schedule, "schedule"))

@@ -20,7 +20,7 @@ from autoplan.graph.types import LayerGraph
 from autoplan.plan.engine import Engine, as_engine
 from autoplan.plan.types import Estimate, ParallelConfig, Plan
 from autoplan.search.search import search
-from autoplan.search.space import SearchOptions, engine_zero
+from autoplan.search.space import SearchOptions, engine_search_options
 
 _CLUSTER_OPTIONS = ("num_nodes", "devices_per_node")
 _SEARCH_OPTIONS = tuple(f.name for f in dataclasses.fields(SearchOptions) if f.name not in ("global_batch", "top_k"))
@@ -163,7 +163,7 @@ def autoplan(model: Any, cluster: Any, *, global_batch: int, seq_len: int, top_k
     _check_size("seq_len", seq_len)
     eng = as_engine(engine)
     search_options, cluster_options = _split_options(options)
-    search_options["zero"] = engine_zero(search_options.get("zero"), eng)  # before the cluster and the capture
+    search_options = engine_search_options(search_options, eng)  # before the cluster and the capture
     spec = load_cluster(cluster, **cluster_options)
     opts = SearchOptions(global_batch=global_batch, top_k=top_k, **search_options)
     from autoplan.cost import with_engine
@@ -205,7 +205,8 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any
             raise ValueError(f"config must be a ParallelConfig or a dict, got {type(config).__name__}")
         config = ParallelConfig.from_dict(config, num_devices=spec.num_devices)
     check_config(config, spec, global_batch)
-    eng.check_zero(config.zero)  # before the capture and the pricing
+    eng.check_zero(config.zero, pp=config.pp)  # before the capture and the pricing
+    eng.check_schedule(config.schedule, pp=config.pp)
     from autoplan.cost import estimate_config
 
     est = estimate_config(model_graph(model, seq_len), spec, config, global_batch=global_batch, engine=eng)

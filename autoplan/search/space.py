@@ -12,12 +12,13 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.engine import Engine
+from autoplan.plan.engine import ZERO_STAGES, Engine, check_zero_stage, is_zero_stage
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
 from autoplan.search.folding import expert_layouts, with_expert_layouts
 from autoplan.search.hetero import stage_fits_groups
@@ -40,7 +41,10 @@ class SearchOptions:
     cp: tuple[int, ...] | None = None
     ep: tuple[int, ...] | None = None
     microbatch: tuple[int, ...] | None = None
-    zero: tuple[int, ...] = (0, 1, 2, 3)
+    zero: tuple[int, ...] = ZERO_STAGES
+    # the stages of `zero` searched where pp > 1 (None: all of them): an engine's zero_stages_with_pp
+    # (engine_search_options)
+    zero_with_pp: tuple[int, ...] | None = None
     sp: tuple[bool, ...] = (False, True)
     schedules: tuple[Schedule, ...] = SCHEDULES
     recompute: tuple[Recompute, ...] = RECOMPUTES
@@ -65,11 +69,7 @@ class SearchOptions:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        zero = _as_tuple(self.zero)
-        for z in zero:
-            if isinstance(z, bool) or z not in (0, 1, 2, 3):
-                raise ValueError(f"zero must be 0, 1, 2 or 3, got {z!r}")
-        object.__setattr__(self, "zero", zero)
+        self._check_zero()
         sp = _as_tuple(self.sp)
         if any(not isinstance(s, bool) for s in sp):
             raise ValueError(f"sp must be true or false, got {self.sp!r}")
@@ -78,16 +78,73 @@ class SearchOptions:
         object.__setattr__(self, "recompute", tuple(_parse(Recompute, r, "recompute mode") for r in _as_tuple(self.recompute)))
 
 
-def engine_zero(zero: object, engine: Engine) -> tuple:
+    def _check_zero(self) -> None:
+        zero = _as_tuple(self.zero)
+        for z in zero:
+            check_zero_stage(z)
+        object.__setattr__(self, "zero", zero)
+        if self.zero_with_pp is None:
+            return
+        with_pp = _as_tuple(self.zero_with_pp)
+        for z in with_pp:
+            check_zero_stage(z)
+            if z not in zero:
+                raise ValueError(f"zero_with_pp {list(with_pp)} must be among zero {list(zero)}: the stages searched "
+                                 f"with a pipeline are some of those searched")
+        object.__setattr__(self, "zero_with_pp", with_pp)
+
+
+def engine_search_options(options: dict[str, Any], engine: Engine) -> dict[str, Any]:
+    """A caller's search options (SearchOptions fields) restricted to what `engine` runs, a forced value it
+    does not run refused in one line before any work (search/api.py, before the cluster and the capture):
+    zero (engine_zero), zero_with_pp (engine_zero_with_pp) and schedules (engine_schedules)."""
+    pp = options.get("pp")
+    given_pp = () if pp is None else _as_tuple(pp)
+    pipelined = bool(given_pp) and all(isinstance(p, int) and not isinstance(p, bool) and p > 1 for p in given_pp)
+    out = dict(options)
+    out["zero"] = engine_zero(options.get("zero"), engine, pipelined=pipelined)
+    out["zero_with_pp"] = engine_zero_with_pp(options.get("zero_with_pp"), out["zero"], engine)
+    out["schedules"] = engine_schedules(options.get("schedules"), engine)
+    return out
+
+
+def engine_zero(zero: object, engine: Engine, *, pipelined: bool = False) -> tuple:
     """The ZeRO stages to search under `engine`: its zero_stages when the caller gave none, else the caller's,
     each checked against them (Engine.check_zero: one line naming the stages the engine runs, before any
-    pricing). Values that are not stages at all are left to SearchOptions' own message."""
+    pricing); `pipelined` (every pp the caller allows is > 1): against zero_stages_with_pp. Values that are not
+    stages at all are left to SearchOptions' own message."""
     if zero is None:
         return engine.zero_stages
     given = _as_tuple(zero)
     for z in given:
-        if not isinstance(z, bool) and z in (0, 1, 2, 3):
-            engine.check_zero(z)
+        if is_zero_stage(z):
+            engine.check_zero(z, pp=2 if pipelined else 1)
+    return given
+
+
+def engine_zero_with_pp(zero_with_pp: object, zero: tuple, engine: Engine) -> tuple | None:
+    """The ZeRO stages to search where pp > 1: those of `zero` the engine runs with a pipeline (Engine.runs_zero
+    at pp > 1) when the caller gave none, else the caller's, each checked (Engine.check_zero)."""
+    if zero_with_pp is None:
+        return tuple(z for z in zero if engine.runs_zero(z, pp=2))
+    given = _as_tuple(zero_with_pp)
+    for z in given:
+        if is_zero_stage(z):
+            engine.check_zero(z, pp=2)
+    return given
+
+
+def engine_schedules(schedules: object, engine: Engine) -> tuple:
+    """The pipeline schedules to search under `engine`: its schedules when the caller gave none, else the
+    caller's, each checked against them (Engine.check_schedule: one line naming the schedules the engine runs,
+    before any pricing). Names that are no schedule at all are left to SearchOptions' own message."""
+    if schedules is None:
+        return engine.schedules
+    given = _as_tuple(schedules)
+    known = {s.value for s in Schedule}
+    for s in given:
+        if str(getattr(s, "value", s)).lower() in known:
+            engine.check_schedule(s)
     return given
 
 
@@ -250,8 +307,9 @@ def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOpti
         per_replica = options.global_batch // (dp * ep)
         mbs = _allowed(divisors(per_replica), options.microbatch)
         # ZeRO shards over the dense data-parallel group dp*ep*cp (plan.layout.zero_layout): nothing to shard
-        # over one rank
-        zeros = [z for z in options.zero if dp * ep * cp > 1 or z == 0]
+        # over one rank; with a pipeline, the stages the engine runs with one (SearchOptions.zero_with_pp)
+        stages = options.zero if pp == 1 or options.zero_with_pp is None else options.zero_with_pp
+        zeros = [z for z in stages if dp * ep * cp > 1 or z == 0]
         sps = [int(s) for s in options.sp if tp > 1 or not s]
         scheds = [(SCHEDULES.index(s), v) for s, v in schedule_choices(pp, num_blocks, options)]
         if not (mbs and zeros and sps and scheds and recomputes):

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph, quick_and_exact
 
 from autoplan.cost import comm, estimate_config, estimate_layer
 from autoplan.cost.dataparallel import async_reduce_s, dp_groups
@@ -117,7 +117,7 @@ def test_the_quick_estimate_prices_async_reductions_as_the_exact_model() -> None
     assert rows
     times = {}
     for flag in (False, True):
-        engine = dataclasses.replace(Engine.load("megatron-core"), grad_reduce_async=flag, dp_bucket_numel=0)
+        engine = every_zero_stage(dataclasses.replace(Engine.load("megatron-core"), grad_reduce_async=flag, dp_bucket_numel=0))
         times[flag] = quick_and_exact(graph, cluster, space, rows, 16, engine)
     (q_sync, e_sync), (q_async, e_async) = times[False], times[True]
     assert scipy.stats.spearmanr(e_async, q_async).statistic >= 0.95

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph
 
 from autoplan import cost
 from autoplan.cost import deepspeed as ds
@@ -130,7 +130,7 @@ def test_quick_tracks_the_exact_model_on_a_swiglu_graph(engine: str, mean: float
     from autoplan.search.surrogate import quick_estimate
 
     graph, cluster = _swiglu_graph(), dataclasses.replace(a100_cluster(2, per_node=4), dtype="bf16")
-    eng = cost.with_engine(Engine.load(engine))
+    eng = cost.with_engine(every_zero_stage(Engine.load(engine)))
     space = enumerate_space(graph, cluster, SearchOptions(global_batch=16))
     rows = [r for r in range(len(space)) if space.config(r).zero == 3][::7][:40]
     quick = quick_estimate(graph, cluster, space, 16, eng).step_time_s[rows]

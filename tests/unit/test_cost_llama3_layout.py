@@ -8,7 +8,7 @@ import dataclasses
 import math
 
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph
 
 from autoplan.cost import comm, estimate_config, estimate_layer
 from autoplan.cost.types import GroupPlacement
@@ -133,7 +133,7 @@ def test_the_quick_estimate_counts_zero2_reduce_buffers_as_the_exact_model() -> 
 
     graph = gpt_graph(h=512, a=8, layers=4, seq=256, vocab=4096, unfused=False)
     cluster = a100_cluster(2, per_node=4)
-    eng = cost.with_engine(Engine.load("megatron-core"))
+    eng = cost.with_engine(every_zero_stage(Engine.load("megatron-core")))
     space = enumerate_space(graph, cluster, SearchOptions(global_batch=16, zero=(2,)))
     quick = quick_estimate(graph, cluster, space, 16, eng)
     rows = [r for r in range(len(space)) if space.config(r).dp > 1][:40]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from test_cost_graph_helper import a100_cluster, gpt_graph
+from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph
 
 from autoplan.cost import comm, estimate_config, estimate_layer
 from autoplan.cost.dataparallel import dp_groups
@@ -85,7 +85,7 @@ def test_the_quick_estimate_shares_the_nic_as_the_exact_model(monkeypatch) -> No
     space = enumerate_space(graph, cluster, SearchOptions(global_batch=16, zero=(2,), microbatch=(1,)))
     rows = list(range(len(space)))
     assert any(space.config(r) == config for r in rows)
-    eng = cost.with_engine(engine)
+    eng = cost.with_engine(every_zero_stage(engine))
 
     def steps():
         exact = [eng.estimate_config(graph, cluster, space.config(r), global_batch=16).step_time_s for r in rows]

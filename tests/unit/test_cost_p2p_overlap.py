@@ -9,7 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from test_cost_graph_helper import gpt_graph
+from test_cost_graph_helper import every_zero_stage, gpt_graph
 
 from autoplan import cost
 from autoplan.cluster.load import Cluster
@@ -34,7 +34,7 @@ def _slow(fraction: float):
     return dataclasses.replace(CLUSTER, intra_node=dataclasses.replace(CLUSTER.intra_node, p2p_bw_fraction=fraction))
 
 
-ON = Engine.load("megatron-core")
+ON = every_zero_stage(Engine.load("megatron-core"))  # every schedule priced, to show which overlap
 OFF = dataclasses.replace(ON, pp_p2p_overlap=False)
 
 
