@@ -149,10 +149,9 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         return reduce_s(numel, 1.0 + self_copy_passes(engine))
 
     full = config.recompute.value == "full"
-    layers = []
-    for c, layer in zip(rank.costs, rank.layers):
-        numels = layer_numels(layer, c, graph, config)
-        small = layer_small_numels(layer, c, graph, config) if engine.zero3_small_grad_hooks else []
+    layers, tensors = [], rank_tensors(rank, graph, config)
+    for c, (numels, small_all) in zip(rank.costs, tensors):
+        small = small_all if engine.zero3_small_grad_hooks else []
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
         # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
         norm = memory_time_s(cluster.device, fetch_norm_bytes(engine, sum(numels), w))
@@ -169,27 +168,33 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     rank.fwd += fwd - base_f
     rank.bwd += bwd - base_b + penalty
     rank.dp += exposed + penalty
-    rank.param_gather += deepspeed_step_s(rank, graph, cluster, config, engine, groups)
+    rank.param_gather += deepspeed_step_s(rank, graph, cluster, config, engine, groups, tensors=tensors)
+
+
+def rank_tensors(rank: Rank, graph: LayerGraph, config: ParallelConfig) -> list[tuple[list[float], list[float]]]:
+    """Per layer of the rank, (layer_numels, layer_small_numels): the parameter tensors DeepSpeed handles one
+    by one, computed once for deepspeed_rank's timeline and deepspeed_step_s's once-per-step work."""
+    return [(layer_numels(x, c, graph, config), layer_small_numels(x, c, graph, config))
+            for c, x in zip(rank.costs, rank.layers)]
 
 
 def deepspeed_step_s(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, engine: Engine,
-                     groups: DpGroups) -> float:
+                     groups: DpGroups, *, tensors: list[tuple[list[float], list[float]]] | None = None) -> float:
     """DeepSpeed stage 3's once-per-step host work around the optimizer on this rank: with
     zero3_serial_grad_checks the overflow check and gradient norm one parameter tensor at a time
     (deepspeed.serial_grad_checks over the rank's weight matrices and small parameters, as layer_numels and
     layer_small_numels count them) and their two one-element all-reduces; with zero3_regather_persistent
-    the re-gather of the persistent parameters (deepspeed.persistent_regather)."""
+    the re-gather of the persistent parameters (deepspeed.persistent_regather). `tensors`: rank_tensors(rank,
+    ...) where the caller has them (deepspeed_rank), else computed here."""
     w, _, _ = state_bytes_per_param(cluster.dtype, engine)
     n, op, total = groups.dense.size, cluster.device.op_overhead_s, 0.0
-    pairs = list(zip(rank.costs, rank.layers))
+    tensors = rank_tensors(rank, graph, config) if tensors is None else tensors
     if engine.zero3_serial_grad_checks:  # stage3.py step, before the optimizer
-        count = sum(1 for c, x in pairs for k in (*layer_numels(x, c, graph, config),
-                                                   *layer_small_numels(x, c, graph, config)) if k > 0)
+        count = sum(1 for numels, small in tensors for k in (*numels, *small) if k > 0)
         ops, messages = ds.serial_grad_checks(count)
         total += ops * op + sum(comm.all_reduce_s(b, groups.dense, cluster) for b in messages)
     if engine.zero3_regather_persistent:  # after the optimizer (stage3.py _post_step)
-        small = [x for c, layer in pairs for x in layer_small_numels(layer, c, graph, config)
-                 if x < engine.zero3_persistence_numel]
+        small = [x for _, layer_small in tensors for x in layer_small if x < engine.zero3_persistence_numel]
         ops, elements = ds.persistent_regather(small, n)
         total += ops * op + comm.all_gather_s(elements * w, groups.dense, cluster)
     return total
