@@ -1,0 +1,14 @@
+"""One formula for the exact model's floats and the quick estimate's numpy arrays of candidates
+(search/*): what turns an elementwise numpy result back into the plain float the exact model carries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def scalar(x: Any) -> Any:
+    """A plain float for the exact model's scalars (numpy's elementwise functions return numpy floats or 0-d
+    arrays for them); arrays as they are."""
+    return float(x) if np.ndim(x) == 0 else x
