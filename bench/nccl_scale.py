@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from autoplan.cluster.load import Cluster
 from autoplan.cluster.types import ClusterSpec
+from autoplan.cost import comm
 from autoplan.cost.comm import all_gather_s, all_reduce_s
 from autoplan.cost.types import GroupPlacement
 
@@ -78,13 +79,12 @@ def model_s(op: str, nbytes: float, group: GroupPlacement, cluster: ClusterSpec)
 
 
 def lockstep_s(op: str, nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
-    """The hypothesis column: the ring's volume at the ring bandwidth cost/comm uses, every one of its
-    passes x (n - 1) steps at the inter-node Simple latency, plus the per-collective base latency."""
-    passes = 2 if op == "all_reduce" else 1
-    n, intra, inter = group.size, cluster.intra_node, cluster.inter_node
-    bw = min(intra.bw_bytes_per_s * intra.allreduce_busbw_fraction,
-             group.per_node * inter.bw_bytes_per_s * inter.allreduce_busbw_fraction)
-    base = max(intra.base_latency_s, inter.base_latency_s)
+    """The hypothesis column: the ring's volume at the ring bandwidth cost/comm uses (comm.ring_bw), every one
+    of its passes x (n - 1) steps at the inter-node Simple latency, plus the per-collective base latency
+    (comm.base_latency_s)."""
+    passes, n, inter = 2 if op == "all_reduce" else 1, group.size, cluster.inter_node
+    bw, _ = comm.ring_bw(group, cluster, "allreduce_busbw_fraction")
+    base = comm.base_latency_s(group.crosses_nodes, cluster)
     return base + passes * (n - 1) * (inter.simple_latency_s or inter.latency_s) + passes * (n - 1) / n * nbytes / bw
 
 
