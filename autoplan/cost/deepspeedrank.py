@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
+from autoplan.cost.broadcast import nonnegative
 from autoplan.cost.compute import block_shape
 from autoplan.cost.dataparallel import DpGroups, Rank
 from autoplan.cost.gradpasses import grad_wire_bytes, self_copy_passes
@@ -43,18 +42,13 @@ def weight_numels(layer: Layer, graph: LayerGraph, tp: Any, params: Any) -> list
     t = tp
     qkv, proj = shape.h * shape.qkv_out_width / t, shape.h * shape.h / t
     mlp = [shape.h * shape.f / t] * (shape.n_mlp * shape.dense_mlps)
-    rest = _nonnegative(params - qkv - proj - sum(mlp))
+    rest = nonnegative(params - qkv - proj - sum(mlp))
     return [qkv, proj + rest, *mlp] if shape.num_experts == 0 else [qkv, proj, *mlp, rest]
 
 
 def weight_count(layer: Layer, graph: LayerGraph) -> int:
     """How many tensors weight_numels lists for `layer`: DeepSpeed's sub-module gathers per use of it."""
     return len(weight_numels(layer, graph, 1, 0.0))
-
-
-def _nonnegative(x: Any) -> Any:
-    """max(x, 0) of a float or, elementwise, of a numpy array."""
-    return np.maximum(x, 0.0) if isinstance(x, np.ndarray) else max(x, 0.0)
 
 
 def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
@@ -83,8 +77,7 @@ def gather_host_s(engine: Engine, n: Any, op_s: float) -> tuple[Any, Any, Any]:
     launches, CXX_COPY_OP each; of those, the ones past the stream's PENDING_LAUNCHES queue, which follow its
     end), at op_s (device.op_overhead_s) per eager op; n a number or a numpy array (the quick estimate's)."""
     op = op_s if engine.zero3_gather_copy_out else 0.0
-    past = n - ds.PENDING_LAUNCHES
-    past = np.maximum(past, 0) if isinstance(past, np.ndarray) else max(past, 0)
+    past = nonnegative(n - ds.PENDING_LAUNCHES)
     return ds.VIEW_OP * n * op, ds.CXX_COPY_OP * n * op, ds.CXX_COPY_OP * past * op
 
 
