@@ -12,7 +12,7 @@ from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
 from autoplan.cost.broadcast import nonnegative
-from autoplan.cost.compute import block_shape
+from autoplan.cost.compute import BlockShape, block_shape
 from autoplan.cost.dataparallel import DpGroups, Rank
 from autoplan.cost.gradpasses import grad_wire_bytes, self_copy_passes
 from autoplan.cost.kernels import memory_time_s
@@ -36,14 +36,21 @@ def weight_numels(layer: Layer, graph: LayerGraph, tp: Any, params: Any) -> list
     arrays alike: the quick estimate's, search/deepspeed_terms.py): a block's QKV, projection and n_mlp MLP
     matmuls (the remaining parameters, norms and biases, ride with the projection; a block with routed
     experts lists them last); any other layer is one parameter. weight_count(...) of them."""
-    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-    if shape is None or layer.role is not LayerRole.BLOCK:
+    shape = _block(layer, graph)
+    if shape is None:
         return [params]
     t = tp
     qkv, proj = shape.h * shape.qkv_out_width / t, shape.h * shape.h / t
     mlp = [shape.h * shape.f / t] * (shape.n_mlp * shape.dense_mlps)
     rest = nonnegative(params - qkv - proj - sum(mlp))
     return [qkv, proj + rest, *mlp] if shape.num_experts == 0 else [qkv, proj, *mlp, rest]
+
+
+def _block(layer: Layer, graph: LayerGraph) -> BlockShape | None:
+    """The transformer-block shape weight_numels and layer_small_numels list a layer's tensors by (at the
+    graph's captured tokens), or None for a layer that is not a block (one tensor, no small ones)."""
+    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
+    return None if shape is None or layer.role is not LayerRole.BLOCK else shape
 
 
 def weight_count(layer: Layer, graph: LayerGraph) -> int:
@@ -58,8 +65,8 @@ def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config:
     second MLP biases (row-parallel: h each), when those sum to the block's remaining parameters (Megatron
     GPT, Shoeybi et al. 2019); otherwise the remainder as norm-sized (h) parameters (a Llama block: two
     RMSNorm weights). Other layers: none."""
-    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-    if shape is None or layer.role is not LayerRole.BLOCK:
+    shape = _block(layer, graph)
+    if shape is None:
         return []
     t, h = config.tp, float(shape.h)
     weights = h * (shape.qkv_out_width + shape.h) / t + h * shape.f / t * shape.n_mlp * shape.dense_mlps
