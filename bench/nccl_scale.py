@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from autoplan.cluster.load import Cluster
 from autoplan.cluster.types import ClusterSpec
+from autoplan.cost import comm
 from autoplan.cost.comm import all_gather_s, all_reduce_s
 from autoplan.cost.types import GroupPlacement
 
@@ -73,42 +74,48 @@ def cluster_for(profile: str, nic_bw: float | None, nodes: int) -> ClusterSpec:
     return dataclasses.replace(cluster, inter_node=dataclasses.replace(cluster.inter_node, bw_bytes_per_s=nic_bw))
 
 
+def ring_passes(op: str) -> int:
+    """Ring passes of the collective (cost/comm._ring_steps_s): an all-reduce two, an all-gather one; also
+    nccl-tests' busbw factor (2 (n - 1)/n and (n - 1)/n)."""
+    return 2 if op == "all_reduce" else 1
+
+
 def model_s(op: str, nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
     return (all_reduce_s if op == "all_reduce" else all_gather_s)(nbytes, group, cluster)
 
 
 def lockstep_s(op: str, nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
-    """The hypothesis column: the ring's volume at the ring bandwidth cost/comm uses, every one of its
-    passes x (n - 1) steps at the inter-node Simple latency, plus the per-collective base latency."""
-    passes = 2 if op == "all_reduce" else 1
-    n, intra, inter = group.size, cluster.intra_node, cluster.inter_node
-    bw = min(intra.bw_bytes_per_s * intra.allreduce_busbw_fraction,
-             group.per_node * inter.bw_bytes_per_s * inter.allreduce_busbw_fraction)
-    base = max(intra.base_latency_s, inter.base_latency_s)
+    """The hypothesis column: the ring's volume at the ring bandwidth cost/comm uses (comm.ring_bw), every one
+    of its passes x (n - 1) steps at the inter-node Simple latency, plus the per-collective base latency
+    (comm.base_latency_s)."""
+    passes, n, inter = ring_passes(op), group.size, cluster.inter_node
+    bw, _ = comm.ring_bw(group, cluster, "allreduce_busbw_fraction")
+    base = comm.base_latency_s(group.crosses_nodes, cluster)
     return base + passes * (n - 1) * (inter.simple_latency_s or inter.latency_s) + passes * (n - 1) / n * nbytes / bw
 
 
 def busbw_gbs(op: str, nbytes: float, n: int, seconds: float) -> float:
-    return (2 if op == "all_reduce" else 1) * (n - 1) / n * nbytes / seconds / 1e9
+    return ring_passes(op) * (n - 1) / n * nbytes / seconds / 1e9
+
+
+def row_busbw(profile: str, nic_bw: float | None, nodes: int, op: str, nbytes: float) -> tuple[float, float]:
+    """(model, lockstep) busbw in GB/s of one row: the whole world of 8 GPUs per node on the profile."""
+    cluster = cluster_for(profile, nic_bw, nodes)
+    group = GroupPlacement(size=8 * nodes, num_nodes=nodes, per_node=8)
+    return tuple(busbw_gbs(op, nbytes, group.size, f(op, nbytes, group, cluster)) for f in (model_s, lockstep_s))
 
 
 def main() -> None:
     print(f"{'source':36s} {'nodes':>5s} {'op':10s} {'size':>9s} {'measured':>9s} {'model':>7s} {'m/meas':>7s}"
           f" {'lockstep':>9s}  setting")
     for source, setting, profile, nic_bw, nodes, op, nbytes, measured in MEASURED:
-        cluster = cluster_for(profile, nic_bw, nodes)
-        group = GroupPlacement(size=8 * nodes, num_nodes=nodes, per_node=8)
-        model = busbw_gbs(op, nbytes, group.size, model_s(op, nbytes, group, cluster))
-        lock = busbw_gbs(op, nbytes, group.size, lockstep_s(op, nbytes, group, cluster))
+        model, lock = row_busbw(profile, nic_bw, nodes, op, nbytes)
         print(f"{source:36s} {nodes:5d} {op:10s} {nbytes / GIB:7.2f} G {measured:7.0f}   {model:7.0f} "
               f"{model / measured:7.2f} {lock:9.0f}  {setting}")
     print("\nbusbw in GB/s; model = autoplan's cost/comm on the profile; m/meas > 1: the model is optimistic.")
     print("\nno public measurement found at these scales; the model's busbw (8 GPUs per node, whole world):")
     for label, profile, nodes, op, nbytes in AT_SCALE:
-        cluster = cluster_for(profile, None, nodes)
-        group = GroupPlacement(size=8 * nodes, num_nodes=nodes, per_node=8)
-        model = busbw_gbs(op, nbytes, group.size, model_s(op, nbytes, group, cluster))
-        lock = busbw_gbs(op, nbytes, group.size, lockstep_s(op, nbytes, group, cluster))
+        model, lock = row_busbw(profile, None, nodes, op, nbytes)
         print(f"  {label:36s} {nbytes / GIB:5.2f} GiB  model {model:4.0f} GB/s  lockstep {lock:4.0f} GB/s")
 
 

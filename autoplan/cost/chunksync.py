@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from autoplan.cost.broadcast import scalar
+
 
 def chunk_windows_s(chunk_bwd: Sequence[Any], p: int, r: Any) -> list[Any]:
     """Backward seconds pipeline rank `r` (of `p`) still runs after it launches chunk c's reduction, per
@@ -61,7 +63,7 @@ def queued_tail_s(windows: Sequence[Any], reduces: Sequence[Any]) -> Any:
     end: Any = float("-inf")
     for c in reversed(range(len(windows))):
         end = np.maximum(end, -windows[c]) + reduces[c]
-    return _scalar(np.maximum(end, 0.0)) if len(reduces) else 0.0
+    return scalar(np.maximum(end, 0.0)) if len(reduces) else 0.0
 
 
 def applies(p: int, v: int, r: Any) -> Any:
@@ -77,7 +79,7 @@ def rank_chunk_tail_s(chunk_bwd: Sequence[Any], chunk_reduces: Sequence[Any], p:
     reduction. Hidden is what ran beside the remaining backwards (it slows them: overlap.hidden_penalty_s).
     Floats, or numpy arrays per chunk (search/chunks.py chunk_sync_tail)."""
     exposed = queued_tail_s(chunk_windows_s(chunk_bwd, p, r), chunk_reduces)
-    return exposed, _scalar(np.maximum(sum(chunk_reduces) - exposed, 0.0))
+    return exposed, scalar(np.maximum(sum(chunk_reduces) - exposed, 0.0))
 
 
 def chunk_spans(chunks: Sequence[int]) -> list[range]:
@@ -108,10 +110,4 @@ def later_gathers_s(chunk_fwd: Sequence[float], gathers: Sequence[float], p: int
         window = (p - 1 if c == 1 else p) * chunk_fwd[c - 1]
         exposed = exposed + np.maximum(gathers[c - 1] - window, 0.0)
         hidden = hidden + np.minimum(gathers[c - 1], window)
-    return _scalar(exposed), _scalar(hidden)
-
-
-def _scalar(x: Any) -> Any:
-    """A plain float for the exact model's scalars (numpy's elementwise max returns numpy floats); arrays as
-    they are."""
-    return float(x) if np.ndim(x) == 0 else x
+    return scalar(exposed), scalar(hidden)

@@ -46,7 +46,7 @@ def _placement(sizes: tuple[int, ...], wanted: tuple[bool, ...], devices_per_nod
     return GroupPlacement(size=int(ranks.size), num_nodes=int(counts.size), per_node=int(counts.min()))
 
 
-def _ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tuple[float, float]:
+def ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tuple[float, float]:
     """(bandwidth, per-step latency) of a ring over the group.
 
     Inside a node: the NVLink-class link at its measured bus-bandwidth fraction, for all-reduce-class rings
@@ -64,6 +64,14 @@ def _ring_bw(group: GroupPlacement, cluster: ClusterSpec, fraction: str) -> tupl
     inter_bw = group.per_node * inter.bw_bytes_per_s * getattr(inter, fraction)
     bw = min(intra_bw, inter_bw) if group.per_node > 1 else inter_bw
     return bw, inter.latency_s
+
+
+def base_latency_s(crosses_nodes: bool, cluster: ClusterSpec) -> float:
+    """The fixed cost of one NCCL collective or send/recv (LinkSpec.base_latency_s; NCCL's tuning.cc baseLatencies,
+    the profiles' measured kernel launch and completion): the larger of the links it uses, the intra-node one
+    always (its kernel runs on the node's GPUs), the inter-node one when it crosses nodes."""
+    inter = cluster.inter_node.base_latency_s if crosses_nodes else 0.0
+    return max(cluster.intra_node.base_latency_s, inter)
 
 
 # NCCL's protocols (src/graph/tuning.cc ncclTopoTuneModel): LL moves 8-byte words with a flag each, half
@@ -103,22 +111,22 @@ def _ring_steps_s(group: GroupPlacement, passes: int, nbytes: float, bw: float, 
     if not intra.simple_latency_s:  # one protocol: every step at the slowest link's latency (alpha-beta)
         alpha = inter.latency_s if group.crosses_nodes else intra.latency_s
         return passes * (n - 1) * alpha + volume / bw
-    base = max(intra.base_latency_s, inter.base_latency_s if group.crosses_nodes else 0.0)
-    return base + min(intra_steps * lat_intra + inter_steps * lat_inter + volume / min(bw * share, cap)
-                      for lat_intra, lat_inter, share, cap in _protocols(group, cluster))
+    return base_latency_s(group.crosses_nodes, cluster) + min(
+        intra_steps * lat_intra + inter_steps * lat_inter + volume / min(bw * share, cap)
+        for lat_intra, lat_inter, share, cap in _protocols(group, cluster))
 
 
 def all_reduce_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
     """All-reduce of `nbytes` over the group: the cheaper of NCCL's two algorithms (enqueue.cc getAlgoInfo
     takes the one its model prices lowest; CollNet and NVLS need switch support and are not modelled).
 
-    - ring: two passes, 2 (n - 1)/n * S / BW plus NCCL's latency (BW the ring bottleneck, _ring_bw);
+    - ring: two passes, 2 (n - 1)/n * S / BW plus NCCL's latency (BW the ring bottleneck, ring_bw);
     - tree across nodes (_tree_s): NCCL's double binary tree, log-depth latency, its own bandwidth.
     Zero for a group of one."""
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw, _ = _ring_bw(group, cluster, "allreduce_busbw_fraction")
+    bw, _ = ring_bw(group, cluster, "allreduce_busbw_fraction")
     ring = _ring_steps_s(group, 2, nbytes, bw, cluster)
     return min(ring, _tree_s(group, nbytes, cluster)) if group.crosses_nodes else ring
 
@@ -140,7 +148,7 @@ def _tree_s(group: GroupPlacement, nbytes: float, cluster: ClusterSpec) -> float
     nic_bw = group.per_node * inter.bw_bytes_per_s * inter.allreduce_busbw_fraction * ratio
     inter_hop = inter.tree_latency_s or inter.simple_latency_s or inter.latency_s
     hops = (group.per_node - 1) * intra.tree_latency_s + int(math.log2(group.num_nodes)) * inter_hop
-    return max(intra.base_latency_s, inter.base_latency_s) + 2 * hops + 2 * nbytes / nic_bw
+    return base_latency_s(True, cluster) + 2 * hops + 2 * nbytes / nic_bw
 
 
 def all_gather_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> float:
@@ -150,7 +158,7 @@ def all_gather_s(nbytes: float, group: GroupPlacement, cluster: ClusterSpec) -> 
     n = group.size
     if n <= 1 or nbytes <= 0:
         return 0.0
-    bw, _ = _ring_bw(group, cluster, "allreduce_busbw_fraction")
+    bw, _ = ring_bw(group, cluster, "allreduce_busbw_fraction")
     return _ring_steps_s(group, 1, nbytes, bw, cluster)
 
 
@@ -181,5 +189,5 @@ def p2p_s(nbytes: float, crosses_nodes: bool, cluster: ClusterSpec) -> float:
     if nbytes <= 0:
         return 0.0
     link: LinkSpec = cluster.inter_node if crosses_nodes else cluster.intra_node
-    base = max(cluster.intra_node.base_latency_s, link.base_latency_s)  # an NCCL kernel's fixed cost, as above
-    return base + link.latency_s + nbytes / (link.bw_bytes_per_s * link.p2p_bw_fraction)
+    bw = link.bw_bytes_per_s * link.p2p_bw_fraction
+    return base_latency_s(crosses_nodes, cluster) + link.latency_s + nbytes / bw

@@ -31,7 +31,7 @@ from autoplan.plan.layout import expert_tp_split
 from autoplan.plan.types import ParallelConfig, Recompute
 
 __all__ = ["BlockShape", "ComputeTimes", "block_shape", "gemm_pass_s", "layer_compute", "matmul_efficiency",
-           "matmul_time_s", "memory_time_s"]
+           "matmul_time_s", "memory_time_s", "sync_copy_s"]
 
 # Bytes of the gradient accumulator per weight element, read once and written once by each weight-gradient
 # pass: 4 (Megatron-LM's fp32 main_grad under --gradient-accumulation-fusion; PyTorch's 16-bit .grad plus
@@ -57,6 +57,15 @@ BACKWARD_OPS_PER_FORWARD_OP = 2.0
 # of a small chunk (Wu et al., "DualPath", arXiv 2602.21548, section 5.2, measured); the device, its queue
 # now empty, then idles while the host issues the next kernel (one op_overhead_s). See layer_compute.
 H2D_SYNC_COPY_S = 6.0e-6
+
+
+def sync_copy_s(device: DeviceSpec, *, issue_counted: bool) -> float:
+    """What one device-synchronising copy adds to the work around it: its own latency (H2D_SYNC_COPY_S) and,
+    the device's queue drained, the device's idle while the host issues the next op (op_overhead_s), unless
+    the caller already counts that issue in series with the device (`issue_counted`: a layer's ops under
+    Engine.launch_blocking, cost/layer.py _with_host; see _sync_copies_s). A caller that counts no host time
+    for the ops around the copy (cost/p2p.py partitioned_role_s) pays the issue here, launch_blocking or not."""
+    return H2D_SYNC_COPY_S + (0.0 if issue_counted else device.op_overhead_s)
 
 
 def matmul_time_s(device: DeviceSpec, peak_flops: float, total_flops: float, per_matmul_flops: float) -> float:
@@ -302,7 +311,7 @@ def _sync_copies_s(syncs: int, device: DeviceSpec, engine: Engine) -> float:
     on a CPU profile (a host memcpy, part of the op)."""
     if device.cpu_cores:
         return 0.0
-    return syncs * (H2D_SYNC_COPY_S + (0.0 if engine.launch_blocking else device.op_overhead_s))
+    return syncs * sync_copy_s(device, issue_counted=engine.launch_blocking)
 
 
 def embedding_grad_add_s(layer: Layer, device: DeviceSpec, tp: int, dtype_bytes: int, engine: Engine) -> float:

@@ -64,7 +64,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.cost.compute import BACKWARD_OPS_PER_FORWARD_OP
-from autoplan.cost.zero3_grads import GPT_SMALL, Bucket, gpt_grad_hooks
+from autoplan.cost.zero3_grads import Bucket, block_hooks
 from autoplan.plan.engine import Engine
 
 # Host cost of the small ops in DeepSpeed's per-rank loops, in eager ops (device.op_overhead_s: Python,
@@ -127,8 +127,7 @@ def block_modules(numels: Sequence[float], fwd_s: float, bwd_s: float, rec_s: fl
     `small`: the block's other parameters whose gradient hooks join the buckets (gpt_grad_hooks), or none."""
     total = sum(numels) or 1.0
     host_f, _, host_b = host_shares(host_s, recompute)
-    gpt = len(small) == len(GPT_SMALL) and len(numels) == 4
-    hooks = gpt_grad_hooks(small) if gpt else [((), (), ())] * len(numels)
+    hooks = block_hooks(numels, small) or [((), (), ())] * len(numels)
     mods = [Module(numel=n, fwd_s=fwd_s * n / total, bwd_s=bwd_s * n / total, host_fwd_s=host_f * n / total,
                    host_bwd_s=host_b * n / total, grads_before=b, grads_with=w, grads_after=a)
             for n, (b, w, a) in zip(numels, hooks)]
@@ -325,8 +324,8 @@ def _backward_steps(layers, engine: Engine, recompute: bool, bucket: Bucket, syn
     reduce_independent_p_g_buckets_and_remove_grads does: when a gradient would overflow the bucket
     (`elements_in_ipg_bucket + param.ds_numel > reduce_bucket_size`), its hook first reduces the bucket so
     far (reduce_ipg_grads), then starts the next with it; the last bucket is reduced after the backward
-    (independent_gradient_partition_epilogue). A module's small gradients (Module.grads_before / with /
-    after, gpt_grad_hooks) fill the buckets too, at their hooks: a bucket that one of them flushes before a
+    (independent_gradient_partition_epilogue); zero3_grads.Bucket.layer_backward walks a layer's modules. A
+    module's small gradients (Module.grads_before / with / after, gpt_grad_hooks) fill the buckets too, at their hooks: a bucket that one of them flushes before a
     fetch is reduced while the host waits for that gather, beside no compute."""
     steps: list[_Step] = []
     for li in reversed(range(len(layers))):
@@ -339,11 +338,11 @@ def _backward_steps(layers, engine: Engine, recompute: bool, bucket: Bucket, syn
                 steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=False, sync=sync),
                                    partitioned=_partitioned(m, engine),
                                    keep=engine.zero3_trace_aligned and used_since < engine.zero3_max_reuse_numel))
-        for mi in reversed(range(len(mods))):
+        walk = bucket.layer_backward([(m.numel, (m.grads_before, m.grads_with, m.grads_after)) for m in mods])
+        for mi, (pre, reduce, post) in walk:
             m = mods[mi]
             steps.append(_Step(key=(li, mi), numel=m.numel, compute=_step(m, backward=True, sync=sync),
-                               partitioned=_partitioned(m, engine), keep=False, pre=bucket.arrive(m.grads_before),
-                               reduce=bucket.arrive((m.numel, *m.grads_with)), post=bucket.arrive(m.grads_after)))
+                               partitioned=_partitioned(m, engine), keep=False, pre=pre, reduce=reduce, post=post))
     if bucket.numel and steps:
         steps[-1] = dataclasses.replace(steps[-1], post=(*steps[-1].post, bucket.flush()))
     return steps

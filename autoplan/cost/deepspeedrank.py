@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost import deepspeed as ds
-from autoplan.cost.compute import block_shape
+from autoplan.cost.broadcast import nonnegative
+from autoplan.cost.compute import BlockShape, block_shape
 from autoplan.cost.dataparallel import DpGroups, Rank
 from autoplan.cost.gradpasses import grad_wire_bytes, self_copy_passes
 from autoplan.cost.kernels import memory_time_s
@@ -37,24 +36,26 @@ def weight_numels(layer: Layer, graph: LayerGraph, tp: Any, params: Any) -> list
     arrays alike: the quick estimate's, search/deepspeed_terms.py): a block's QKV, projection and n_mlp MLP
     matmuls (the remaining parameters, norms and biases, ride with the projection; a block with routed
     experts lists them last); any other layer is one parameter. weight_count(...) of them."""
-    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-    if shape is None or layer.role is not LayerRole.BLOCK:
+    shape = _block(layer, graph)
+    if shape is None:
         return [params]
     t = tp
     qkv, proj = shape.h * shape.qkv_out_width / t, shape.h * shape.h / t
     mlp = [shape.h * shape.f / t] * (shape.n_mlp * shape.dense_mlps)
-    rest = _nonnegative(params - qkv - proj - sum(mlp))
+    rest = nonnegative(params - qkv - proj - sum(mlp))
     return [qkv, proj + rest, *mlp] if shape.num_experts == 0 else [qkv, proj, *mlp, rest]
+
+
+def _block(layer: Layer, graph: LayerGraph) -> BlockShape | None:
+    """The transformer-block shape weight_numels and layer_small_numels list a layer's tensors by (at the
+    graph's captured tokens), or None for a layer that is not a block (one tensor, no small ones)."""
+    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
+    return None if shape is None or layer.role is not LayerRole.BLOCK else shape
 
 
 def weight_count(layer: Layer, graph: LayerGraph) -> int:
     """How many tensors weight_numels lists for `layer`: DeepSpeed's sub-module gathers per use of it."""
     return len(weight_numels(layer, graph, 1, 0.0))
-
-
-def _nonnegative(x: Any) -> Any:
-    """max(x, 0) of a float or, elementwise, of a numpy array."""
-    return np.maximum(x, 0.0) if isinstance(x, np.ndarray) else max(x, 0.0)
 
 
 def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config: ParallelConfig) -> list[float]:
@@ -64,8 +65,8 @@ def layer_small_numels(layer: Layer, cost: LayerCost, graph: LayerGraph, config:
     second MLP biases (row-parallel: h each), when those sum to the block's remaining parameters (Megatron
     GPT, Shoeybi et al. 2019); otherwise the remainder as norm-sized (h) parameters (a Llama block: two
     RMSNorm weights). Other layers: none."""
-    shape = block_shape(layer, float(graph.microbatch * graph.seq_len))
-    if shape is None or layer.role is not LayerRole.BLOCK:
+    shape = _block(layer, graph)
+    if shape is None:
         return []
     t, h = config.tp, float(shape.h)
     weights = h * (shape.qkv_out_width + shape.h) / t + h * shape.f / t * shape.n_mlp * shape.dense_mlps
@@ -83,8 +84,7 @@ def gather_host_s(engine: Engine, n: Any, op_s: float) -> tuple[Any, Any, Any]:
     launches, CXX_COPY_OP each; of those, the ones past the stream's PENDING_LAUNCHES queue, which follow its
     end), at op_s (device.op_overhead_s) per eager op; n a number or a numpy array (the quick estimate's)."""
     op = op_s if engine.zero3_gather_copy_out else 0.0
-    past = n - ds.PENDING_LAUNCHES
-    past = np.maximum(past, 0) if isinstance(past, np.ndarray) else max(past, 0)
+    past = nonnegative(n - ds.PENDING_LAUNCHES)
     return ds.VIEW_OP * n * op, ds.CXX_COPY_OP * n * op, ds.CXX_COPY_OP * past * op
 
 
@@ -149,10 +149,9 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         return reduce_s(numel, 1.0 + self_copy_passes(engine))
 
     full = config.recompute.value == "full"
-    layers = []
-    for c, layer in zip(rank.costs, rank.layers):
-        numels = layer_numels(layer, c, graph, config)
-        small = layer_small_numels(layer, c, graph, config) if engine.zero3_small_grad_hooks else []
+    layers, tensors = [], rank_tensors(rank, graph, config)
+    for c, (numels, small_all) in zip(rank.costs, tensors):
+        small = small_all if engine.zero3_small_grad_hooks else []
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
         # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
         norm = memory_time_s(cluster.device, fetch_norm_bytes(engine, sum(numels), w))
@@ -169,27 +168,33 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
     rank.fwd += fwd - base_f
     rank.bwd += bwd - base_b + penalty
     rank.dp += exposed + penalty
-    rank.param_gather += deepspeed_step_s(rank, graph, cluster, config, engine, groups)
+    rank.param_gather += deepspeed_step_s(rank, graph, cluster, config, engine, groups, tensors=tensors)
+
+
+def rank_tensors(rank: Rank, graph: LayerGraph, config: ParallelConfig) -> list[tuple[list[float], list[float]]]:
+    """Per layer of the rank, (layer_numels, layer_small_numels): the parameter tensors DeepSpeed handles one
+    by one, computed once for deepspeed_rank's timeline and deepspeed_step_s's once-per-step work."""
+    return [(layer_numels(x, c, graph, config), layer_small_numels(x, c, graph, config))
+            for c, x in zip(rank.costs, rank.layers)]
 
 
 def deepspeed_step_s(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, engine: Engine,
-                     groups: DpGroups) -> float:
+                     groups: DpGroups, *, tensors: list[tuple[list[float], list[float]]] | None = None) -> float:
     """DeepSpeed stage 3's once-per-step host work around the optimizer on this rank: with
     zero3_serial_grad_checks the overflow check and gradient norm one parameter tensor at a time
     (deepspeed.serial_grad_checks over the rank's weight matrices and small parameters, as layer_numels and
     layer_small_numels count them) and their two one-element all-reduces; with zero3_regather_persistent
-    the re-gather of the persistent parameters (deepspeed.persistent_regather)."""
+    the re-gather of the persistent parameters (deepspeed.persistent_regather). `tensors`: rank_tensors(rank,
+    ...) where the caller has them (deepspeed_rank), else computed here."""
     w, _, _ = state_bytes_per_param(cluster.dtype, engine)
     n, op, total = groups.dense.size, cluster.device.op_overhead_s, 0.0
-    pairs = list(zip(rank.costs, rank.layers))
+    tensors = rank_tensors(rank, graph, config) if tensors is None else tensors
     if engine.zero3_serial_grad_checks:  # stage3.py step, before the optimizer
-        count = sum(1 for c, x in pairs for k in (*layer_numels(x, c, graph, config),
-                                                   *layer_small_numels(x, c, graph, config)) if k > 0)
+        count = sum(1 for numels, small in tensors for k in (*numels, *small) if k > 0)
         ops, messages = ds.serial_grad_checks(count)
         total += ops * op + sum(comm.all_reduce_s(b, groups.dense, cluster) for b in messages)
     if engine.zero3_regather_persistent:  # after the optimizer (stage3.py _post_step)
-        small = [x for c, layer in pairs for x in layer_small_numels(layer, c, graph, config)
-                 if x < engine.zero3_persistence_numel]
+        small = [x for _, layer_small in tensors for x in layer_small if x < engine.zero3_persistence_numel]
         ops, elements = ds.persistent_regather(small, n)
         total += ops * op + comm.all_gather_s(elements * w, groups.dense, cluster)
     return total

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
+from autoplan.cost.broadcast import scalar
 from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.layer import dtype_bytes
 from autoplan.plan.engine import Engine
@@ -125,4 +126,4 @@ def bf16_comm_pass_bytes(dtype: str, engine: Engine, numel: Any) -> Any:
     b, w = grad_wire_bytes(dtype, engine), float(dtype_bytes(dtype))
     alone = (np.asarray(numel) > engine.dp_bucket_numel) & (engine.dp_bucket_numel > 0)
     out = (b + w) + 2.0 * w + (w + b) + np.where(alone, 2.0 * b * self_copy_passes(engine), 4.0 * b)
-    return float(out) if np.ndim(out) == 0 else out
+    return scalar(out)

@@ -13,7 +13,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec, DeviceSpec
 from autoplan.cost import comm
-from autoplan.cost.compute import H2D_SYNC_COPY_S
+from autoplan.cost.compute import sync_copy_s
 from autoplan.cost.dataparallel import DpGroups, Rank
 from autoplan.cost.hetero import crosses_groups, link_p2p_s
 from autoplan.cost.kernels import memory_time_s
@@ -63,10 +63,12 @@ def partitioned_role_s(role: tuple[int, int, int, int], chunk_bytes: Any, tp: An
                        device: DeviceSpec, cpu: bool) -> Any:
     """One side's PartitionedTensor work (a PARTITION_* role) for a chunk of chunk_bytes (1/tp of the
     activation): its passes at streaming bandwidth, its all-gathers of the whole (gather_s each) and its
-    synchronising copies at H2D_SYNC_COPY_S + op_overhead_s each, as compute.py prices a block's (none on a
-    CPU profile). Numbers or numpy arrays."""
+    synchronising copies at compute.sync_copy_s each (none on a CPU profile): the copy's latency and the
+    next op's issue on the drained device, also under Engine.launch_blocking, since no host time of the
+    role's own ops (clone, zeros, copy_) is counted anywhere, so that issue is not already in series as a
+    layer's is (compute._sync_copies_s). Numbers or numpy arrays."""
     whole, chunk, gathers, syncs = role
-    sync = 0.0 if cpu else syncs * (H2D_SYNC_COPY_S + device.op_overhead_s)
+    sync = 0.0 if cpu else syncs * sync_copy_s(device, issue_counted=False)
     return memory_time_s(device, chunk_bytes * (chunk + whole * tp)) + gathers * gather_s + sync
 
 

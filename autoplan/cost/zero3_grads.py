@@ -17,7 +17,19 @@ from dataclasses import dataclass
 GPT_SMALL = ("ln1.weight", "ln1.bias", "qkv.bias", "proj.bias", "ln2.weight", "ln2.bias", "fc1.bias", "fc2.bias")
 
 
-def gpt_grad_hooks(small: Sequence[float]) -> list[tuple[tuple[float, ...], ...]]:
+Hooks = tuple[tuple[float, ...], tuple[float, ...], tuple[float, ...]]  # (before its fetch, with its weight, after)
+
+
+def block_hooks(numels: Sequence[float], small: Sequence[float]) -> list[Hooks] | None:
+    """gpt_grad_hooks(small) for a layer that is a Megatron GPT block (its four weight modules in `numels`, its
+    small parameters in GPT_SMALL's order in `small`), else None: the one test of which layers' small
+    gradients join the buckets at gpt_grad_hooks' places (cost/deepspeed.py block_modules, fetch_wait_share)."""
+    if len(small) != len(GPT_SMALL) or len(numels) != 4:
+        return None
+    return gpt_grad_hooks(small)
+
+
+def gpt_grad_hooks(small: Sequence[float]) -> list[Hooks]:
     """Where the gradient hooks of a Megatron GPT block's small parameters (`small` in GPT_SMALL order) fire
     in the backward, per weight module (QKV, projection, fc1, fc2): (before its fetch, with its weight,
     after its backward). stage3.py create_reduce_and_remove_grad_hooks hooks every parameter's
@@ -54,6 +66,16 @@ class Bucket:
             self.numel, self.tensors = self.numel + n, self.tensors + 1
         return tuple(out)
 
+    def layer_backward(self, modules: Sequence[tuple[float, Hooks]]) -> list[tuple[int, Hooks]]:
+        """A layer's backward through its weight modules (numel, hooks) in reverse order: per module, its
+        index and the reductions its gradients' hooks issue (before its fetch: its `before` hooks; with its
+        compute: its weight's, then its `with` hooks; after it: its `after` hooks)."""
+        out = []
+        for mi in reversed(range(len(modules))):
+            numel, (before, with_, after) = modules[mi]
+            out.append((mi, (self.arrive(before), self.arrive((numel, *with_)), self.arrive(after))))
+        return out
+
     def flush(self) -> float:
         """The bucket's reduction (seconds); it is empty after."""
         one = self.tensors == 1 and self.single_s is not None
@@ -66,14 +88,15 @@ def fetch_wait_share(numels: Sequence[float], small: Sequence[float], limit: flo
     """Share of a GPT block's gradient elements (steady state: the third of three equal blocks) whose
     bucket a small gradient's hook flushes just before a module's fetch (gpt_grad_hooks' `before` hooks),
     so that its reduction runs while the host waits for the gather rather than beside a module's
-    backward. 0 without the GPT block's small parameters (len(small) != len(GPT_SMALL))."""
-    if len(small) != len(GPT_SMALL) or len(numels) != 4:
+    backward (Bucket.layer_backward, as cost/deepspeed.py _backward_steps walks it). 0 for a layer that is
+    not a GPT block (block_hooks)."""
+    hooks = block_hooks(numels, small)
+    if hooks is None:
         return 0.0
-    bucket, hooks = Bucket(limit=limit, reduce_s=lambda n: n), gpt_grad_hooks(small)
+    bucket = Bucket(limit=limit, reduce_s=lambda n: n)
     for _ in range(3):
         before = total = 0.0
-        for numel, (pre, with_, after) in reversed(list(zip(numels, hooks))):
-            flushed = bucket.arrive(pre)
-            rest = (*bucket.arrive((numel, *with_)), *bucket.arrive(after))
+        for _, (flushed, during, after) in bucket.layer_backward(list(zip(numels, hooks))):
+            rest = (*during, *after)
             before, total = before + sum(flushed), total + sum(flushed) + sum(rest)
     return before / total if total > 0 else 0.0

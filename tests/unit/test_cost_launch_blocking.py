@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from test_cost_graph_helper import a100_cluster, every_zero_stage, gpt_graph, quick_and_exact_change
 
-from autoplan.cost import estimate_layer
-from autoplan.cost.compute import H2D_SYNC_COPY_S
+from autoplan.cost import estimate_config, estimate_layer
+from autoplan.cost.compute import H2D_SYNC_COPY_S, sync_copy_s
+from autoplan.cost.p2p import partitioned_role_s
 from autoplan.plan.engine import OVERLAP_FIELDS, Engine
 from autoplan.plan.types import ParallelConfig
 
@@ -192,3 +193,23 @@ def test_deepspeed_stage3_counts_the_host_once_when_launches_block() -> None:
     quick, exact = quick_and_exact_change(graph, CLUSTER, on, base,
                                           lambda config: config.zero == 3 and config.dp == 8 and config.pp == 1)
     np.testing.assert_allclose(quick, exact, rtol=1e-6, atol=1e-12)
+
+
+def test_one_rule_prices_a_synchronising_copy_by_whether_the_next_issue_is_already_counted() -> None:
+    """compute.sync_copy_s, by hand: 6 us of copy latency, plus the next op's 10 us issue on the drained device
+    unless the caller counts it in series already (a layer's ops under launch_blocking). DeepSpeed's
+    PartitionedTensor work counts no host time for its own ops, so its copies pay that issue under either
+    launch mode: a cut's extra seconds are the same with CUDA_LAUNCH_BLOCKING=1 as without."""
+    assert math.isclose(sync_copy_s(CLUSTER.device, issue_counted=False), 6.0e-6 + OP, rel_tol=1e-12)
+    assert math.isclose(sync_copy_s(CLUSTER.device, issue_counted=True), 6.0e-6, rel_tol=1e-12)
+    assert math.isclose(partitioned_role_s((0, 0, 0, 3), 0.0, 4, 0.0, CLUSTER.device, False), 3 * (6.0e-6 + OP),
+                        rel_tol=1e-12)
+    graph = gpt_graph(h=1024, a=16, layers=8, seq=1024, vocab=32768)
+    config = ParallelConfig(pp=2, tp=4, microbatch=1)
+    extra = []
+    for engine in (ASYNC, BLOCKING):
+        on = dataclasses.replace(engine, pp_p2p_batched=True, pp_partitioned_tensors=True)
+        off = dataclasses.replace(on, pp_partitioned_tensors=False)
+        step = [estimate_config(graph, CLUSTER, config, global_batch=16, engine=e).step_time_s for e in (on, off)]
+        extra.append(step[0] - step[1])
+    assert extra[0] > 0 and math.isclose(extra[0], extra[1], rel_tol=1e-9)

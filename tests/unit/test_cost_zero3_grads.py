@@ -13,7 +13,7 @@ import pytest
 from test_cost_graph_helper import a100_cluster, gpt_graph, quick_and_exact
 
 from autoplan import cost
-from autoplan.cost.zero3_grads import Bucket, fetch_wait_share
+from autoplan.cost.zero3_grads import Bucket, block_hooks, fetch_wait_share, gpt_grad_hooks
 from autoplan.plan.engine import Engine
 
 DS = cost.deepspeed
@@ -85,6 +85,18 @@ def test_a_bucket_of_one_gradient_is_priced_apart() -> None:
     assert bucket.arrive([4, 4, 4, 8]) == (108.0, 4.0)
     assert bucket.flush() == 8.0 and bucket.numel == 0.0
     assert Bucket(limit=10, reduce_s=lambda n: 100.0 + n).arrive([8, 8]) == (108.0,)  # no single_s: reduce_s
+
+
+def test_one_layer_backward_walk_by_hand() -> None:
+    """Bucket.layer_backward (the walk both the timeline and the quick estimate's share use), limit 25,
+    reduce_s the elements: module 1 first (its `before` 4 joins the empty bucket, its weight 20 makes 24),
+    then module 0, whose weight 10 overflows the 24 (flushed with its compute), then 1, 2, 3 join: 16 left.
+    block_hooks gives gpt_grad_hooks only to a four-module layer with GPT_SMALL's eight small parameters."""
+    bucket = Bucket(limit=25, reduce_s=lambda n: n)
+    walk = bucket.layer_backward([(10.0, ((), (1.0,), (2.0, 3.0))), (20.0, ((4.0,), (), ()))])
+    assert walk == [(1, ((), (), ())), (0, ((), (24.0,), ()))] and bucket.numel == 16.0
+    assert block_hooks(NUMELS, SMALL) == gpt_grad_hooks(SMALL)
+    assert block_hooks(NUMELS[:3], SMALL) is None and block_hooks(NUMELS, [H, H]) is None
 
 
 def test_the_quick_estimate_share_is_the_elements_flushed_before_a_fetch() -> None:
