@@ -1,6 +1,6 @@
 """One accuracy bench: every public check in one table, per set and per engine.
 
-    python bench/accuracy.py [--rows]
+    python bench/accuracy.py [--rows] [--plot docs/accuracy.png]
 
 Targets (issue 8): vTrain multi-node and single-node (measured Megatron-DeepSpeed iterations,
 bench/data/vtrain), the SC'21 calibration rows and Korthikanti et al.'s per-layer times
@@ -11,7 +11,9 @@ DGX H100: dgxc-h100), the same-scale ZeRO-3 vs PTD-P pairs and whether every run
 is predicted to fit. Records whose source leaves a setting unpublished may list "alternatives" (other
 plausible values, from the record's own text or the engine's defaults / validation): each is priced and
 printed beside the recorded error, never used by the summaries. Errors are step-time errors, predicted / measured - 1: negative means predicted too fast.
-Runs from a clean clone (no files outside it).
+Runs from a clean clone (no files outside it). --plot PATH also writes a PNG of exactly the rows the table
+summarises (bench/accuracy_plot.py: predicted vs measured, and the signed errors per set); matplotlib is
+imported only then.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's autoplan
 
+import accuracy_plot
 import validate_calibration
 import validate_vtrain
 from published import Alternative, Result, alternatives, check_alternative, predict, recorded_values, records
@@ -132,11 +135,33 @@ def published_checks(recs: list[dict]) -> tuple[list[Result], dict[str, list[Alt
     return [predict(rec) for rec in recs], {rec["id"]: alternatives(rec) for rec in recs if rec.get("alternatives")}
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The flags; a --plot path that cannot be written is refused here, before any pricing."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", action="store_true", help="every check row, not only the summaries")
-    args = parser.parse_args()
+    parser.add_argument("--plot", metavar="PATH", help="also write a PNG of the rows the table summarises")
+    args = parser.parse_args(argv)
+    if args.plot is not None:
+        path = Path(args.plot)
+        if path.suffix.lower() != ".png":
+            raise ValueError(f"--plot {args.plot}: the picture is a PNG; give a path ending in .png")
+        if not path.parent.is_dir():
+            raise ValueError(f"--plot {args.plot}: no directory {path.parent}; create it or pick another path")
+    return args
+
+
+def print_rows(checks: list[Result], alts: dict[str, list[Alternative]]) -> None:
+    for r in checks:
+        print(f"  {r.set:20s} {r.label:36s} {r.engine:13s} predicted {r.predicted_s:8.2f} s  measured "
+              f"{r.measured_s:8.2f} s  {100 * r.error:+6.1f} %  fits {r.fits}")
+        for a in alts.get(r.label, ()):
+            print(f"  {'':20s}   alternative {a.name:33s} predicted {a.result.predicted_s:8.2f} s  measured "
+                  f"{a.result.measured_s:8.2f} s  {100 * a.result.error:+6.1f} %  fits {a.result.fits}")
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
+        args = parse_args(argv)
         check_all_alternatives(records())  # a malformed alternative stops the bench before any pricing
     except ValueError as err:
         print(f"accuracy: error: {err}", file=sys.stderr)
@@ -145,7 +170,8 @@ def main() -> int:
                + vtrain_results("ground_truth_single.csv", "vtrain-single")
                + validate_calibration.calibration_results() + validate_calibration.korthikanti_results())
     checks, alts = published_checks(records())
-    print_table(results + checks)
+    summarised = results + checks  # the table's rows, and the plot's: never the alternatives
+    print_table(summarised)
     print()
     for r in validate_calibration.korthikanti_results():
         print(f"  Korthikanti per-layer {r.label:40s} {1e3 * r.predicted_s:6.2f} ms vs {1e3 * r.measured_s:5.1f} ms "
@@ -158,12 +184,10 @@ def main() -> int:
     print_alternatives(checks, alts)
     if args.rows:
         print()
-        for r in checks:
-            print(f"  {r.set:20s} {r.label:36s} {r.engine:13s} predicted {r.predicted_s:8.2f} s  measured "
-                  f"{r.measured_s:8.2f} s  {100 * r.error:+6.1f} %  fits {r.fits}")
-            for a in alts.get(r.label, ()):
-                print(f"  {'':20s}   alternative {a.name:33s} predicted {a.result.predicted_s:8.2f} s  measured "
-                      f"{a.result.measured_s:8.2f} s  {100 * a.result.error:+6.1f} %  fits {a.result.fits}")
+        print_rows(checks, alts)
+    if args.plot is not None:
+        accuracy_plot.write_png(accuracy_plot.plot_series(summarised, TARGETS), args.plot)
+        print(f"\nwrote {args.plot}")
     return 0
 
 
