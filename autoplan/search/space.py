@@ -87,7 +87,8 @@ class SearchOptions:
             return
         with_pp = _as_tuple(self.zero_with_pp)
         for z in with_pp:
-            check_zero_stage(z)
+            if not is_zero_stage(z):  # check_zero_stage's line names `zero`, which the caller may not have set
+                raise ValueError(f"zero_with_pp must be ZeRO stages among 0, 1, 2, 3, got {z!r}")
             if z not in zero:
                 raise ValueError(f"zero_with_pp {list(with_pp)} must be among zero {list(zero)}: the stages searched "
                                  f"with a pipeline are some of those searched")
@@ -124,13 +125,18 @@ def engine_zero(zero: object, engine: Engine, *, pipelined: bool = False) -> tup
 
 def engine_zero_with_pp(zero_with_pp: object, zero: tuple, engine: Engine) -> tuple | None:
     """The ZeRO stages to search where pp > 1: those of `zero` the engine runs with a pipeline (Engine.runs_zero
-    at pp > 1) when the caller gave none, else the caller's, each checked (Engine.check_zero)."""
+    at pp > 1) when the caller gave none, else the caller's, each checked against them (one line naming
+    zero_with_pp, the option the caller set: Engine.check_zero's would point at --zero). Values that are not
+    stages at all are left to SearchOptions' own message."""
     if zero_with_pp is None:
         return tuple(z for z in zero if engine.runs_zero(z, pp=2))
     given = _as_tuple(zero_with_pp)
+    runs = ", ".join(map(str, engine.zero_stages_at(2)))
     for z in given:
-        if is_zero_stage(z):
-            engine.check_zero(z, pp=2)
+        if is_zero_stage(z) and not engine.runs_zero(z, pp=2):
+            raise ValueError(f"engine {engine.name!r} runs ZeRO stage(s) {runs} only with a pipeline (pp > 1: its "
+                             f"zero_stages_with_pp), not zero_with_pp {z}: use --zero-with-pp / zero_with_pp= "
+                             f"among {runs}")
     return given
 
 

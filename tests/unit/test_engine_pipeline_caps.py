@@ -229,6 +229,8 @@ def test_the_zero_with_pp_flag_reaches_the_search_and_is_checked_against_the_eng
     assert set(c["zero"][(c["pp"] > 1) & sharded].tolist()) == {0}
     assert set(c["zero"][(c["pp"] == 1) & sharded].tolist()) == {0, 2, 3}
     assert main(["plan", *job, "--zero-with-pp", "0,3"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("autoplan: error: engine 'torchtitan' runs ZeRO stage(s) 0, 2 only with a pipeline")
-    assert err.count("\n") == 1
+    assert capsys.readouterr().err == (
+        "autoplan: error: engine 'torchtitan' runs ZeRO stage(s) 0, 2 only with a pipeline (pp > 1: its "
+        "zero_stages_with_pp), not zero_with_pp 3: use --zero-with-pp / zero_with_pp= among 0, 2\n")
+    assert main(["plan", *job, "--zero-with-pp", "5"]) == 2  # no stage at all: named as the option it is
+    assert capsys.readouterr().err == "autoplan: error: zero_with_pp must be ZeRO stages among 0, 1, 2, 3, got 5\n"
