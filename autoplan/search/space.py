@@ -101,11 +101,13 @@ def engine_search_options(options: dict[str, Any], engine: Engine) -> dict[str, 
     zero (engine_zero), zero_with_pp (engine_zero_with_pp) and schedules (engine_schedules)."""
     pp = options.get("pp")
     given_pp = () if pp is None else _as_tuple(pp)
-    pipelined = bool(given_pp) and all(isinstance(p, int) and not isinstance(p, bool) and p > 1 for p in given_pp)
+    degrees = [p for p in given_pp if isinstance(p, int) and not isinstance(p, bool)]
+    pipelined = bool(given_pp) and len(degrees) == len(given_pp) and all(p > 1 for p in degrees)
+    flat = bool(given_pp) and degrees == [1] * len(given_pp)  # no pipeline: no schedule runs (schedule_choices)
     out = dict(options)
     out["zero"] = engine_zero(options.get("zero"), engine, pipelined=pipelined)
     out["zero_with_pp"] = engine_zero_with_pp(options.get("zero_with_pp"), out["zero"], engine)
-    out["schedules"] = engine_schedules(options.get("schedules"), engine)
+    out["schedules"] = engine_schedules(options.get("schedules"), engine, flat=flat)
     return out
 
 
@@ -140,13 +142,17 @@ def engine_zero_with_pp(zero_with_pp: object, zero: tuple, engine: Engine) -> tu
     return given
 
 
-def engine_schedules(schedules: object, engine: Engine) -> tuple:
+def engine_schedules(schedules: object, engine: Engine, *, flat: bool = False) -> tuple:
     """The pipeline schedules to search under `engine`: its schedules when the caller gave none, else the
     caller's, each checked against them (Engine.check_schedule: one line naming the schedules the engine runs,
-    before any pricing). Names that are no schedule at all are left to SearchOptions' own message."""
+    before any pricing), unless the search is `flat` (every pp the caller allows is 1: no schedule runs, as
+    Engine.check_schedule has it for a config). Names that are no schedule at all are left to SearchOptions'
+    own message."""
     if schedules is None:
         return engine.schedules
     given = _as_tuple(schedules)
+    if flat:
+        return given
     known = {s.value for s in Schedule}
     for s in given:
         if str(getattr(s, "value", s)).lower() in known:

@@ -234,3 +234,16 @@ def test_the_zero_with_pp_flag_reaches_the_search_and_is_checked_against_the_eng
         "zero_stages_with_pp), not zero_with_pp 3: use --zero-with-pp / zero_with_pp= among 0, 2\n")
     assert main(["plan", *job, "--zero-with-pp", "5"]) == 2  # no stage at all: named as the option it is
     assert capsys.readouterr().err == "autoplan: error: zero_with_pp must be ZeRO stages among 0, 1, 2, 3, got 5\n"
+
+
+def test_a_forced_schedule_is_not_refused_where_no_pipeline_runs() -> None:
+    """pp = 1 runs no schedule (Engine.check_schedule passes any schedule at pp = 1): a search fixed to pp 1 is
+    not refused for the schedules it was given, whichever the engine runs; with pp 1 or 2 allowed it is."""
+    lm = Engine.load("megatron-lm")
+    opts = engine_search_options({"pp": (1,), "schedules": ("zb",)}, lm)
+    assert opts["schedules"] == ("zb",)
+    c = enumerate_space(GRAPH, a100_cluster(1, per_node=4), SearchOptions(global_batch=8, **opts)).columns
+    assert set(c["pp"].tolist()) == {1} and len(c["pp"]) > 0
+    with pytest.raises(ValueError) as err:
+        engine_search_options({"pp": (1, 2), "schedules": ("zb",)}, lm)
+    assert str(err.value) == SCHEDULE_LINE
