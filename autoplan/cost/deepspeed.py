@@ -325,8 +325,9 @@ def _backward_steps(layers, engine: Engine, recompute: bool, bucket: Bucket, syn
     (`elements_in_ipg_bucket + param.ds_numel > reduce_bucket_size`), its hook first reduces the bucket so
     far (reduce_ipg_grads), then starts the next with it; the last bucket is reduced after the backward
     (independent_gradient_partition_epilogue); zero3_grads.Bucket.layer_backward walks a layer's modules. A
-    module's small gradients (Module.grads_before / with / after, gpt_grad_hooks) fill the buckets too, at their hooks: a bucket that one of them flushes before a
-    fetch is reduced while the host waits for that gather, beside no compute."""
+    module's small gradients (Module.grads_before / with / after, gpt_grad_hooks) fill the buckets too, at
+    their hooks: a bucket that one of them flushes before a fetch is reduced while the host waits for that
+    gather, beside no compute."""
     steps: list[_Step] = []
     for li in reversed(range(len(layers))):
         mods, recs = layers[li]

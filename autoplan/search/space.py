@@ -87,7 +87,8 @@ class SearchOptions:
             return
         with_pp = _as_tuple(self.zero_with_pp)
         for z in with_pp:
-            check_zero_stage(z)
+            if not is_zero_stage(z):  # check_zero_stage's line names `zero`, which the caller may not have set
+                raise ValueError(f"zero_with_pp must be ZeRO stages among 0, 1, 2, 3, got {z!r}")
             if z not in zero:
                 raise ValueError(f"zero_with_pp {list(with_pp)} must be among zero {list(zero)}: the stages searched "
                                  f"with a pipeline are some of those searched")
@@ -100,11 +101,13 @@ def engine_search_options(options: dict[str, Any], engine: Engine) -> dict[str, 
     zero (engine_zero), zero_with_pp (engine_zero_with_pp) and schedules (engine_schedules)."""
     pp = options.get("pp")
     given_pp = () if pp is None else _as_tuple(pp)
-    pipelined = bool(given_pp) and all(isinstance(p, int) and not isinstance(p, bool) and p > 1 for p in given_pp)
+    degrees = [p for p in given_pp if isinstance(p, int) and not isinstance(p, bool)]
+    pipelined = bool(given_pp) and len(degrees) == len(given_pp) and all(p > 1 for p in degrees)
+    flat = bool(given_pp) and degrees == [1] * len(given_pp)  # no pipeline: no schedule runs (schedule_choices)
     out = dict(options)
     out["zero"] = engine_zero(options.get("zero"), engine, pipelined=pipelined)
     out["zero_with_pp"] = engine_zero_with_pp(options.get("zero_with_pp"), out["zero"], engine)
-    out["schedules"] = engine_schedules(options.get("schedules"), engine)
+    out["schedules"] = engine_schedules(options.get("schedules"), engine, flat=flat)
     return out
 
 
@@ -124,23 +127,32 @@ def engine_zero(zero: object, engine: Engine, *, pipelined: bool = False) -> tup
 
 def engine_zero_with_pp(zero_with_pp: object, zero: tuple, engine: Engine) -> tuple | None:
     """The ZeRO stages to search where pp > 1: those of `zero` the engine runs with a pipeline (Engine.runs_zero
-    at pp > 1) when the caller gave none, else the caller's, each checked (Engine.check_zero)."""
+    at pp > 1) when the caller gave none, else the caller's, each checked against them (one line naming
+    zero_with_pp, the option the caller set: Engine.check_zero's would point at --zero). Values that are not
+    stages at all are left to SearchOptions' own message."""
     if zero_with_pp is None:
         return tuple(z for z in zero if engine.runs_zero(z, pp=2))
     given = _as_tuple(zero_with_pp)
+    runs = ", ".join(map(str, engine.zero_stages_at(2)))
     for z in given:
-        if is_zero_stage(z):
-            engine.check_zero(z, pp=2)
+        if is_zero_stage(z) and not engine.runs_zero(z, pp=2):
+            raise ValueError(f"engine {engine.name!r} runs ZeRO stage(s) {runs} only with a pipeline (pp > 1: its "
+                             f"zero_stages_with_pp), not zero_with_pp {z}: use --zero-with-pp / zero_with_pp= "
+                             f"among {runs}")
     return given
 
 
-def engine_schedules(schedules: object, engine: Engine) -> tuple:
+def engine_schedules(schedules: object, engine: Engine, *, flat: bool = False) -> tuple:
     """The pipeline schedules to search under `engine`: its schedules when the caller gave none, else the
     caller's, each checked against them (Engine.check_schedule: one line naming the schedules the engine runs,
-    before any pricing). Names that are no schedule at all are left to SearchOptions' own message."""
+    before any pricing), unless the search is `flat` (every pp the caller allows is 1: no schedule runs, as
+    Engine.check_schedule has it for a config). Names that are no schedule at all are left to SearchOptions'
+    own message."""
     if schedules is None:
         return engine.schedules
     given = _as_tuple(schedules)
+    if flat:
+        return given
     known = {s.value for s in Schedule}
     for s in given:
         if str(getattr(s, "value", s)).lower() in known:

@@ -146,5 +146,8 @@ def every_zero_stage(engine):
     engine itself runs (each field's cost term is read at every stage and schedule)."""
     import dataclasses
 
-    return dataclasses.replace(engine, zero_stages=(0, 1, 2, 3), zero_stages_with_pp=None,
-                               schedules=("gpipe", "1f1b", "interleaved", "zb"))
+    from autoplan.plan.engine import ZERO_STAGES
+    from autoplan.plan.types import Schedule
+
+    return dataclasses.replace(engine, zero_stages=ZERO_STAGES, zero_stages_with_pp=None,
+                               schedules=tuple(s.value for s in Schedule))

@@ -186,3 +186,64 @@ def test_the_pipeline_fields_come_back_from_json(tmp_path: Path) -> None:
 def test_search_options_keep_the_pipelined_stages_among_zero() -> None:
     with pytest.raises(ValueError, match=r"zero_with_pp \[0, 3\] must be among zero \[0, 1\]"):
         SearchOptions(global_batch=8, zero=(0, 1), zero_with_pp=(0, 3))
+
+
+def _titan_plan_json() -> dict:
+    from autoplan.plan import io
+
+    plans = autoplan.autoplan(GRAPH, a100_cluster(1, per_node=4), global_batch=8, seq_len=128, top_k=1,
+                              engine="torchtitan", use_ilp=False)
+    return json.loads(io.plan_to_json(plans[0]))
+
+
+def test_a_plan_json_keeps_the_pipeline_fields_and_an_older_one_loads_without_them() -> None:
+    """A plan's engine carries zero_stages_with_pp and schedules through its JSON; a plan written before they
+    existed (its engine mapping without the two keys) still loads, its engine then the Engine defaults' (every
+    stage with a pipeline, every schedule: what the search it came from assumed), every other field kept."""
+    from autoplan.plan import io
+
+    data = _titan_plan_json()
+    titan = Engine.load("torchtitan")
+    assert data["engine"]["zero_stages_with_pp"] == [0, 2] and data["engine"]["schedules"] == list(ALL)
+    assert io.plan_from_dict(data).engine == titan
+    for key in ("zero_stages_with_pp", "schedules"):
+        del data["engine"][key]
+    old = io.plan_from_dict(data).engine
+    assert old.zero_stages_with_pp is None and old.schedules == ALL and old.runs_zero(3, pp=2)
+    assert old == dataclasses.replace(titan, zero_stages_with_pp=None, schedules=ALL)
+
+
+def test_the_zero_with_pp_flag_reaches_the_search_and_is_checked_against_the_engine(capsys) -> None:
+    """--zero-with-pp is parsed as a list of stages into SearchOptions.zero_with_pp (the pipelined candidates
+    then hold only those stages); a stage the engine does not run with a pipeline is one line, exit 2."""
+    from autoplan.cli.main import build_parser
+    from autoplan.cli.plan import search_options
+
+    job = ["--model", "gpt3-1.7b", "--cluster", "dgx-a100-80gb", "--global-batch", "64", "--seq-len", "2048",
+           "--engine", "torchtitan"]
+    given = search_options(build_parser().parse_args(["plan", *job, "--zero-with-pp", "0"]))
+    assert given["zero_with_pp"] == (0,) and "zero" not in given
+    opts = engine_search_options({"zero_with_pp": given["zero_with_pp"]}, Engine.load("torchtitan"))
+    c = enumerate_space(GRAPH, a100_cluster(2, per_node=4), SearchOptions(global_batch=8, **opts)).columns
+    sharded = (c["dp"] * c["ep"] * c["cp"]) > 1
+    assert set(c["zero"][(c["pp"] > 1) & sharded].tolist()) == {0}
+    assert set(c["zero"][(c["pp"] == 1) & sharded].tolist()) == {0, 2, 3}
+    assert main(["plan", *job, "--zero-with-pp", "0,3"]) == 2
+    assert capsys.readouterr().err == (
+        "autoplan: error: engine 'torchtitan' runs ZeRO stage(s) 0, 2 only with a pipeline (pp > 1: its "
+        "zero_stages_with_pp), not zero_with_pp 3: use --zero-with-pp / zero_with_pp= among 0, 2\n")
+    assert main(["plan", *job, "--zero-with-pp", "5"]) == 2  # no stage at all: named as the option it is
+    assert capsys.readouterr().err == "autoplan: error: zero_with_pp must be ZeRO stages among 0, 1, 2, 3, got 5\n"
+
+
+def test_a_forced_schedule_is_not_refused_where_no_pipeline_runs() -> None:
+    """pp = 1 runs no schedule (Engine.check_schedule passes any schedule at pp = 1): a search fixed to pp 1 is
+    not refused for the schedules it was given, whichever the engine runs; with pp 1 or 2 allowed it is."""
+    lm = Engine.load("megatron-lm")
+    opts = engine_search_options({"pp": (1,), "schedules": ("zb",)}, lm)
+    assert opts["schedules"] == ("zb",)
+    c = enumerate_space(GRAPH, a100_cluster(1, per_node=4), SearchOptions(global_batch=8, **opts)).columns
+    assert set(c["pp"].tolist()) == {1} and len(c["pp"]) > 0
+    with pytest.raises(ValueError) as err:
+        engine_search_options({"pp": (1, 2), "schedules": ("zb",)}, lm)
+    assert str(err.value) == SCHEDULE_LINE
