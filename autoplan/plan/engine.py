@@ -23,11 +23,11 @@ GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
 # 3 + weights sharded
 ZERO_STAGES = (0, 1, 2, 3)
 RMSNORM_KINDS = ("eager", "eager_fp32", "fused")
-# what an engine overlaps with the compute it issues from the same host thread (none under launch_blocking)
 # Transformer Engine userbuffers' overlaps by their ub_tp_comm_overlap_cfg names (transformer_engine/pytorch/
 # module/base.py initialize_ub `methods`): Engine.tp_overlap_margin_sms_by_op's keys
 TE_UB_OPS = ("qkv_fprop", "qkv_dgrad", "qkv_wgrad", "proj_fprop", "proj_dgrad", "fc1_fprop", "fc1_dgrad", "fc1_wgrad",
              "fc2_fprop", "fc2_dgrad")
+# what an engine overlaps with the compute it issues from the same host thread (none under launch_blocking)
 OVERLAP_FIELDS = ("tp_comm_overlap", "tp_bwd_overlap", "dp_comm_overlap", "param_gather_overlap", "cp_comm_overlap",
                   "grad_reduce_async", "pp_p2p_overlap")
 
