@@ -73,6 +73,8 @@ def _value(key: str, value: Any, path: str) -> Any:
             raise ValueError(f"{path}: field {key!r} must be a YAML list of ZeRO stages among 0, 1, 2, 3 "
                              f"(e.g. [0, 1]{null}), got {value!r}")
         return tuple(value)
+    if kind == "tuple[tuple[str, int], ...]":  # tp_overlap_margin_sms_by_op: a YAML mapping, checked by Engine
+        return () if value is None else value
     if kind == "tuple[str, ...]":  # schedules: a YAML list of ParallelConfig.schedule names
         return _schedules(key, value, path)
     if kind == "float":

@@ -24,7 +24,7 @@ from autoplan.cost.kernels import (
 from autoplan.cost.passes import SOFTMAX_FALLBACK_BWD_OPS, SOFTMAX_FALLBACK_FWD_OPS, block_pass_bytes
 from autoplan.cost.projections import early_stop_skip_s, op_selective_recompute_s, split_qkv
 from autoplan.cost.shapes import BlockShape, block_shape
-from autoplan.cost.userbuffers import margin_extra_s
+from autoplan.cost.userbuffers import margin_extra_s, op_margins
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import expert_tp_split
@@ -96,8 +96,8 @@ class ComputeTimes:
     # which runs the same code), after max(device, host): the copies' latency and the drained queue's
     # idle device (Engine.block_forward_syncs, H2D_SYNC_COPY_S)
     sync_fwd_s: float = 0.0
-    # Engine.tp_overlap_margin_sms: the seconds the GEMMs TE's userbuffers narrow lose, forward and backward
-    # (cost/userbuffers.margin_extra_s; zero unless that overlap runs)
+    # Engine.tp_overlap_margin_sms(_by_op): the seconds the GEMMs TE's userbuffers narrow lose, forward and
+    # backward, each overlap's own margin on its own GEMM (cost/userbuffers.margin_extra_s; zero unless it runs)
     margin_fwd_s: float = 0.0
     margin_bwd_s: float = 0.0
     # the weight-gradient seconds saved when each GEMM's output becomes the gradient as is (written once
@@ -210,8 +210,10 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
     (projections.op_selective_recompute_s) and every memory-bound op of the forward, the engine's passes
     included; a full recompute under engine.recompute_early_stop skips the MLP output GEMM and the residual
     add after it (projections.early_stop_skip_s). engine.separate_qkv_projections prices Q, K and V as
-    three GEMMs (projections.split_qkv). Under engine.tp_comm_overlap with SP and a tp_overlap_margin_sms, a
-    dense block also reports what its margin-narrowed GEMMs lose (userbuffers.margin_extra_s; layer.py adds it).
+    three GEMMs (projections.split_qkv). Under engine.tp_comm_overlap with SP and TE userbuffers margins
+    (tp_overlap_margin_sms, tp_overlap_margin_sms_by_op: userbuffers.op_margins), a dense block also reports
+    what its margin-narrowed GEMMs lose, each overlap's margin on its own GEMM (userbuffers.margin_extra_s;
+    layer.py adds it).
 
     Host: the forward and backward issue host_ops(layer, engine) ops at device.op_overhead_s each, a
     fully recomputed block its forward's again, and the activation-checkpoint wrapper around it
@@ -252,7 +254,7 @@ def layer_compute(layer: Layer, device: DeviceSpec, peak_flops: float, config: P
             fresh_s = dw_s - sum(gemm_pass_s(device, peak_flops, k, m, n, c, dtype_bytes) for m, k, n, c in groups)
         qkv_dw = dws[0] + (dws[-1] if engine.separate_qkv_projections else 0.0)
         wgrad_column = (qkv_dw, dws[2] * (shape.n_mlp - 1) / shape.n_mlp)  # QKV; fc1 (GELU) or w1, w3 (SwiGLU)
-        margin = (margin_extra_s(device, peak_flops, groups, shape.n_mlp, dtype_bytes, engine.tp_overlap_margin_sms,
+        margin = (margin_extra_s(device, peak_flops, groups, shape.n_mlp, dtype_bytes, op_margins(engine),
                                  acc, engine.separate_qkv_projections)
                   if engine.tp_comm_overlap and config.sp and t > 1 and not shape.num_experts else (0.0, 0.0))
         elementwise_bytes, score_bytes = block_elementwise_bytes(

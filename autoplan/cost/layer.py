@@ -15,6 +15,7 @@ from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.memory import block_activation_bytes, layer_param_counts, other_activation_bytes
 from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.types import LayerCost
+from autoplan.cost.userbuffers import margin_phases
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Recompute
@@ -178,9 +179,10 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     producing them; Megatron requires --sequence-parallel for it): each phase's TP communication hides
     behind that phase's weight GEMMs, exposing max(0, comm - GEMMs), and the GEMMs run slower while the
     communication occupies SMs (overlap.contention_fraction of the tp group's communicator, of the hidden
-    part). With engine.tp_overlap_margin_sms (TE userbuffers' defaults, cost/userbuffers.py) the communication
-    is TE's, not NCCL's: the all-gathers copy on the copy engines and take no SMs, while the GEMMs beside
-    the reduce-scatter and bulk overlaps run on num_sms - margin SMs throughout (times.margin_fwd_s /
+    part). In a phase (forward, backward) where a TE userbuffers overlap takes a margin
+    (engine.tp_overlap_margin_sms, tp_overlap_margin_sms_by_op: cost/userbuffers.py) the communication is
+    TE's, not NCCL's: the ring-exchange all-gathers copy on the copy engines and take no SMs, while each
+    GEMM beside an overlap with a margin runs on num_sms - its margin SMs throughout (times.margin_fwd_s /
     margin_bwd_s, a dense block's; a full recompute pays the forward's again).
 
     engine.tp_bwd_overlap (Megatron-LM from 2021-09, megatron/mpu/layers.py
@@ -201,14 +203,14 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
         skip = reduce if engine.recompute_early_stop and not shape.num_experts else 0.0
         rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
         f = contention_fraction(cluster, group)  # the tp communicator's NCCL channels (overlap.nccl_channels)
-        if engine.tp_comm_overlap and config.sp and engine.tp_overlap_margin_sms and not shape.num_experts:
-            # TE userbuffers: the margin-narrowed GEMMs run slower whatever the communication's length
-            fwd, bwd, rec = (max(c - g, 0.0) + (m if c > 0 else 0.0) for c, g, m in
-                             ((fwd, times.gemm_fwd_s, times.margin_fwd_s), (bwd, times.gemm_bwd_s, times.margin_bwd_s),
-                              (rec, times.gemm_fwd_s, times.margin_fwd_s)))
-        elif engine.tp_comm_overlap and config.sp:
-            fwd, bwd, rec = (max(c - g, 0.0) + f * min(c, g) for c, g in
-                             ((fwd, times.gemm_fwd_s), (bwd, times.gemm_bwd_s), (rec, times.gemm_fwd_s)))
+        if engine.tp_comm_overlap and config.sp:
+            # a phase with a TE margin (userbuffers.margin_phases): the margin-narrowed GEMMs run slower whatever
+            # the communication's length; one without: NCCL's channels over the hidden time
+            te_fwd, te_bwd = margin_phases(engine) if not shape.num_experts else (False, False)
+            fwd, bwd, rec = (max(c - g, 0.0) + ((m if c > 0 else 0.0) if te else f * min(c, g)) for c, g, m, te in
+                             ((fwd, times.gemm_fwd_s, times.margin_fwd_s, te_fwd),
+                              (bwd, times.gemm_bwd_s, times.margin_bwd_s, te_bwd),
+                              (rec, times.gemm_fwd_s, times.margin_fwd_s, te_fwd)))
         elif engine.tp_bwd_overlap and times.wgrad_column_s:
             # each column-parallel linear's input-gradient all-reduce (reduce-scatter with SP) runs beside
             # its weight-gradient GEMM; the row-parallel ones' (SP: all-gathers) stay on the compute stream

@@ -1,53 +1,97 @@
 """Transformer Engine userbuffers (Megatron-Core --tp-comm-overlap): the SMs its comm-GEMM overlap takes
-from the GEMMs, in place of NCCL's channels (cost/overlap.nccl_channels), for Engine.tp_overlap_margin_sms.
+from the GEMMs, in place of NCCL's channels (cost/overlap.nccl_channels), overlap by overlap
+(Engine.tp_overlap_margin_sms, Engine.tp_overlap_margin_sms_by_op).
 
-TE's default overlap config (transformer_engine/pytorch/module/base.py initialize_ub -> get_default_config,
-used by Megatron-Core's _initialize_tp_communicators unless --tp-comm-overlap-cfg is given):
-- the all-gathers beside qkv_fprop, fc1_fprop, proj_dgrad and fc2_dgrad run method "ring_exchange" with
-  use_ce (peer copies on the copy engines), num_sm 1 and set_sm_margin False: those GEMMs keep every SM;
-- the reduce-scatters beside proj_fprop and fc2_fprop ("pipeline") and the overlaps beside qkv_dgrad /
-  qkv_wgrad and fc1_dgrad / fc1_wgrad ("bulk") use num_sm 16 with set_sm_margin True: CommOverlapCore
-  (transformer_engine/common/comm_gemm_overlap/comm_gemm_overlap.cpp) launches those GEMMs on _math_sms =
-  sm_count - num_comm_sm SMs, for their whole duration, whether or not the communication still runs.
+What an overlap holds (TE v1.10 / v1.11, the NeMo 24.09 container's generation, and TE >= 2.0 alike):
+- 'pipeline' (reduce-scatter) and 'bulk' overlaps are UbufCommOverlap (pytorch/csrc/comm_gemm_overlap.h;
+  TE >= 2.0 CommOverlapBase in common/comm_gemm_overlap/comm_gemm_overlap.cpp): `_use_ce = 0`, the
+  reduce-scatter / all-gather kernels run on num_sm SMs (`_ub_comm->sms = _num_comm_sm`), and the GEMM is
+  launched on `_math_sms = set_sm_margin ? multiProcessorCount - num_comm_sm : multiProcessorCount` SMs
+  (less NVTE_EXT_MARGIN_SM) for its whole duration, whether or not the communication still runs;
+- 'ring_exchange' overlaps are UbufP2PCommOverlap (CommOverlapP2PBase): with use_ce (the default) the peer
+  chunks move by copy engine (userbuffers_send / _recv); its GEMM chunks take the same `_math_sms` rule,
+  and every config in TE's defaults and NVIDIA's recipes leaves set_sm_margin off there.
+So an overlap's margin is num_sm where set_sm_margin is on, else 0; it narrows exactly one GEMM:
+qkv_fprop / proj_fprop / fc1_fprop / fc2_fprop the forward GEMM of that linear (layernorm_linear.py,
+linear.py, layernorm_mlp.py: `ub=ub_obj_lnout` / the `_fprop` ub of the forward gemm); proj_dgrad /
+fc2_dgrad the input-gradient GEMM (ring-exchange all-gather of the output gradient); qkv_dgrad / fc1_dgrad
+the input-gradient GEMM (bulk all-gather of the saved LayerNorm output, `ub_obj_lnout = get_ub(name +
+"_dgrad")`); qkv_wgrad / fc1_wgrad the weight-gradient GEMM (bulk reduce-scatter of the input gradient,
+`ub_obj_dgrad = get_ub(name + "_wgrad")`). The attention projection's and MLP output's weight gradients
+have no overlap.
+
+Engine.tp_overlap_margin_sms is TE >= 2.0's get_default_config (module/base.py initialize_ub: num_sm 16,
+set_sm_margin = method != 'ring_exchange') for the six pipeline / bulk overlaps (MARGIN_OPS), the
+ring-exchange ones 0; tp_overlap_margin_sms_by_op replaces it op by op (a run's ub_tp_comm_overlap_cfg).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from autoplan.cluster.types import DeviceSpec
 from autoplan.cost.kernels import gemm_pass_s
+from autoplan.plan.engine import TE_UB_OPS, Engine
 
 Group = tuple[float, float, float, float]  # (m, k, n, count) of compute._block_gemm_groups
+# the overlaps TE >= 2.0's get_default_config gives a margin (methods 'pipeline' and 'bulk')
+MARGIN_OPS = ("proj_fprop", "fc2_fprop", "qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad")
+FORWARD_OPS = tuple(op for op in TE_UB_OPS if op.endswith("_fprop"))
+
+
+def op_margins(engine: Engine | int) -> dict[str, int]:
+    """The SMs each TE userbuffers overlap keeps from its GEMM: tp_overlap_margin_sms on MARGIN_OPS, 0 on the
+    ring-exchange ones, then tp_overlap_margin_sms_by_op's entries over them (an int: that uniform margin)."""
+    uniform = engine if isinstance(engine, int) else engine.tp_overlap_margin_sms
+    margins = {op: uniform if op in MARGIN_OPS else 0 for op in TE_UB_OPS}
+    if not isinstance(engine, int):
+        margins.update(engine.tp_overlap_margin_sms_by_op)
+    return margins
+
+
+def margin_phases(engine: Engine) -> tuple[bool, bool]:
+    """Whether any forward / any backward overlap takes a margin: that phase's TP communication is then
+    priced as TE's (the narrowed GEMMs' loss, cost/layer.py), else by NCCL's channels over its hidden time."""
+    margins = op_margins(engine)
+    return (any(margins[op] for op in FORWARD_OPS),
+            any(n for op, n in margins.items() if op not in FORWARD_OPS))
 
 
 def margin_extra_s(device: DeviceSpec, peak_flops: float, groups: list[Group], n_mlp: int, dtype_bytes: int,
-                   margin_sms: int, accumulate_bytes: float, separate_qkv: bool) -> tuple[float, float]:
-    """(forward, backward) seconds the block's GEMMs lose when TE runs the margin-taking ones on num_sms -
-    margin_sms SMs (gemm_pass_s on the narrower device: peak FLOP/s scaled by its share of the SMs, tiles in
-    waves over the SMs it has; HBM bandwidth kept), minus the full one: in forward the
-    attention output projection (groups[1]) and the MLP output matmul (1 of the n_mlp in groups[2]); in
-    backward the input and weight gradients of QKV (groups[0], and the K / V GEMMs appended last when
-    separate_qkv) and of the MLP input matmuls (n_mlp - 1 of groups[2]). Weight gradients accumulate at
-    accumulate_bytes per element, as compute.compute_times prices them. Zero without a margin."""
-    if margin_sms <= 0 or device.num_sms <= margin_sms:
-        return 0.0, 0.0
-    left = device.num_sms - margin_sms
-    narrow = (dataclasses.replace(device, num_sms=left), peak_flops * left / device.num_sms)
-
-    def extra(fn, group: Group, share: float) -> float:
-        return share * (fn(*narrow, group) - fn(device, peak_flops, group))
-
-    def fwd(d: DeviceSpec, peak: float, g: Group) -> float:
-        m, k, n, c = g
-        return gemm_pass_s(d, peak, m, k, n, c, dtype_bytes)
-
-    def bwd(d: DeviceSpec, peak: float, g: Group) -> float:  # dgrad [m x n] @ [n x k], wgrad [k x m] @ [m x n]
-        m, k, n, c = g
-        return (gemm_pass_s(d, peak, m, n, k, c, dtype_bytes)
-                + gemm_pass_s(d, peak, k, m, n, c, dtype_bytes, out_bytes=accumulate_bytes))
-
+                   margins: Mapping[str, int] | int, accumulate_bytes: float,
+                   separate_qkv: bool) -> tuple[float, float]:
+    """(forward, backward) seconds the block's GEMMs lose when TE runs each one beside an overlap with a
+    margin on num_sms - margin SMs (gemm_pass_s on the narrower device: peak FLOP/s scaled by its share of
+    the SMs, tiles in waves over the SMs it has; HBM bandwidth kept), minus the full one. `margins`: SMs per
+    overlap (op_margins; an int: that margin on MARGIN_OPS). GEMMs: QKV groups[0] (and the K / V GEMMs
+    appended last when separate_qkv), the attention output projection groups[1], the MLP groups[2] (fc1:
+    n_mlp - 1 of its n_mlp, fc2: 1). Weight gradients accumulate at accumulate_bytes per element, as
+    compute.compute_times prices them. Zero without a margin."""
+    margins = op_margins(margins) if isinstance(margins, int) else margins
     qkv = [groups[0], groups[-1]] if separate_qkv else [groups[0]]
-    forward = extra(fwd, groups[1], 1.0) + extra(fwd, groups[2], 1.0 / n_mlp)
-    backward = sum(extra(bwd, g, 1.0) for g in qkv) + extra(bwd, groups[2], (n_mlp - 1) / n_mlp)
+    linears = {"qkv": [(g, 1.0) for g in qkv], "proj": [(groups[1], 1.0)],
+               "fc1": [(groups[2], (n_mlp - 1) / n_mlp)], "fc2": [(groups[2], 1.0 / n_mlp)]}
+    passes = {"fprop": lambda m, k, n: (m, k, n, None), "dgrad": lambda m, k, n: (m, n, k, None),
+              "wgrad": lambda m, k, n: (k, m, n, accumulate_bytes)}  # dgrad [m x n] @ [n x k], wgrad [k x m] @ [m x n]
+    forward = backward = 0.0
+    for op in TE_UB_OPS:
+        sms = margins.get(op, 0)
+        if sms <= 0 or device.num_sms <= sms:
+            continue
+        name, kind = op.split("_")
+        narrow = dataclasses.replace(device, num_sms=device.num_sms - sms)
+        lost = sum(share * (_pass_s(narrow, peak_flops * narrow.num_sms / device.num_sms, passes[kind](*g[:3]),
+                                    g[3], dtype_bytes)
+                            - _pass_s(device, peak_flops, passes[kind](*g[:3]), g[3], dtype_bytes))
+                   for g, share in linears[name])
+        if kind == "fprop":
+            forward += lost
+        else:
+            backward += lost
     return forward, backward
+
+
+def _pass_s(device: DeviceSpec, peak: float, mkn: tuple, count: float, dtype_bytes: int) -> float:
+    m, k, n, out_bytes = mkn
+    return gemm_pass_s(device, peak, m, k, n, count, dtype_bytes, out_bytes=out_bytes)

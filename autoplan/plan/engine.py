@@ -23,6 +23,10 @@ GRAD_REDUCTIONS = ("all_reduce", "reduce_scatter")
 # 3 + weights sharded
 ZERO_STAGES = (0, 1, 2, 3)
 RMSNORM_KINDS = ("eager", "eager_fp32", "fused")
+# Transformer Engine userbuffers' overlaps by their ub_tp_comm_overlap_cfg names (transformer_engine/pytorch/
+# module/base.py initialize_ub `methods`): Engine.tp_overlap_margin_sms_by_op's keys
+TE_UB_OPS = ("qkv_fprop", "qkv_dgrad", "qkv_wgrad", "proj_fprop", "proj_dgrad", "fc1_fprop", "fc1_dgrad", "fc1_wgrad",
+             "fc2_fprop", "fc2_dgrad")
 # what an engine overlaps with the compute it issues from the same host thread (none under launch_blocking)
 OVERLAP_FIELDS = ("tp_comm_overlap", "tp_bwd_overlap", "dp_comm_overlap", "param_gather_overlap", "cp_comm_overlap",
                   "grad_reduce_async", "pp_p2p_overlap")
@@ -72,6 +76,8 @@ class Engine:
     te_cublas_workspaces: int = 0  # Transformer Engine cuBLAS workspaces (module/base.py get_workspace: 32 MiB on sm 9.x, else 4 MiB; x3 with userbuffers) beside PyTorch's
     gemm_streams: int = 1  # streams PyTorch's GEMMs run on, each with its own cuBLAS workspace (CublasHandlePool.cpp setCublasWorkspace): the compute stream
     tp_overlap_margin_sms: int = 0  # with tp_comm_overlap: SMs TE's userbuffers keep from the GEMMs beside its reduce-scatter / bulk overlaps for their whole run (cost/userbuffers.py); 0: NCCL's channels over the hidden time (cost/overlap.py)
+    # --- TE userbuffers' margin per overlap (cost/userbuffers.py) ---
+    tp_overlap_margin_sms_by_op: tuple[tuple[str, int], ...] = ()  # with tp_comm_overlap: SMs each named TE userbuffers overlap (TE_UB_OPS, its ub_tp_comm_overlap_cfg key) keeps from its GEMM (num_sm where set_sm_margin, else 0), in place of tp_overlap_margin_sms for that op; a mapping in YAML / replace(), kept as sorted pairs; (): every op as tp_overlap_margin_sms says
     description: str = "autoplan's executor (eager PyTorch, SDPA attention, FSDP2, DTensor TP, torch.distributed.pipelining)"
     block_forward_ops: int = 0  # host-issued ops in one block's forward (0: the captured graph's count)
     block_backward_ops: int = 0  # ... in its backward (0: compute.BACKWARD_OPS_PER_FORWARD_OP x forward)
@@ -178,12 +184,28 @@ class Engine:
         self._check_launch_blocking()
         self._check_zero_stages()
         self._check_schedules()
+        self._check_margin_by_op()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
                 raise ValueError(f"engine field {f.name!r} must be true or false, got {value!r}")
             if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"engine field {f.name!r} must be a non-negative integer, got {value!r}")
+
+    def _check_margin_by_op(self) -> None:
+        """tp_overlap_margin_sms_by_op as sorted (op, SMs) pairs (a mapping, or the pairs a JSON list of lists
+        comes back as), each op among TE_UB_OPS once, each count a non-negative integer."""
+        given = self.tp_overlap_margin_sms_by_op
+        try:
+            pairs = list(given.items()) if isinstance(given, dict) else [tuple(p) for p in given]
+            ok = all(len(p) == 2 for p in pairs)
+        except TypeError:
+            ok = False
+        if not ok or any(op not in TE_UB_OPS or isinstance(n, bool) or not isinstance(n, int) or n < 0
+                         for op, n in pairs) or len({op for op, _ in pairs}) != len(pairs):
+            raise ValueError(f"engine field 'tp_overlap_margin_sms_by_op' must map TE userbuffers overlaps among "
+                             f"{', '.join(TE_UB_OPS)} (each once) to non-negative SM counts, got {given!r}")
+        object.__setattr__(self, "tp_overlap_margin_sms_by_op", tuple(sorted(pairs)))
 
     def _check_launch_blocking(self) -> None:
         """Under launch_blocking a collective's launch returns only when it has run, so nothing issued from the

@@ -105,3 +105,24 @@ def test_published_mfu_is_the_readme_flops_over_the_step(rec):
     step = 14.92 if rec["id"] == "dgxc-h100-llama3.1-70b-2048" else rec["measured"]["iteration_time_s"]
     mfu = rec["global_batch"] * README_FLOPS[key] / step / rec["cluster"]["gpus"] / H100_BF16
     assert rec["measured"]["mfu_readme_flops"] == pytest.approx(mfu, rel=1e-3)
+
+
+def test_each_tp_overlapped_row_takes_its_margins_from_the_recipe_cfg_it_quotes():
+    """Each row with tp_comm_overlap quotes its recipe's ub_tp_comm_overlap_cfg op by op ('proj_fprop: method
+    pipeline, num_sm 24, set_sm_margin 1'); its tp_overlap_margin_sms_by_op is num_sm for each op quoted
+    with set_sm_margin 1 (TE: _math_sms = sm_count - num_comm_sm), every other op at tp_overlap_margin_sms 0."""
+    import re
+
+    quoted = 0
+    for r in _rows():
+        ops = re.findall(r"(\w+_(?:fprop|dgrad|wgrad)): method (\w+)(?:, num_sm (\d+), set_sm_margin (\d))?", r["source"])
+        if r["config"]["tp"] == 1:
+            assert not ops and "tp_overlap_margin_sms_by_op" not in r.get("engine_overrides", {})
+            continue
+        assert len({op for op, *_ in ops}) == 10, r["id"]
+        by_hand = {op: int(sms) for op, _, sms, margin in ops if margin == "1"}
+        assert r["engine_overrides"]["tp_overlap_margin_sms"] == 0
+        assert r["engine_overrides"]["tp_overlap_margin_sms_by_op"] == by_hand, r["id"]
+        assert set(by_hand) == {"proj_fprop", "fc2_fprop"}  # the forward reduce-scatters only
+        quoted += 1
+    assert quoted == 8

@@ -11,8 +11,8 @@ from test_cost_graph_helper import a100_cluster, gpt_graph
 
 from autoplan.cluster.load import Cluster
 from autoplan.cost import estimate_layer
-from autoplan.cost.userbuffers import margin_extra_s
-from autoplan.plan.engine import Engine
+from autoplan.cost.userbuffers import MARGIN_OPS, margin_extra_s, op_margins
+from autoplan.plan.engine import TE_UB_OPS, Engine
 from autoplan.plan.types import ParallelConfig
 
 PEAK = 312e12
@@ -58,3 +58,71 @@ def test_te_overlap_pays_the_margin_not_the_hidden_time() -> None:
     flops = 2.0 * 4096 * (16384 * 16384 + 4 * 16384 * 16384) / 8
     hand = flops / (h100.peak_flops * h100.device.matmul_efficiency) * 16 / 116
     assert 0.8 < f1 / hand < 1.25, f1 / hand
+
+
+def test_a_24_sm_forward_overlap_costs_its_gemm_24_of_132_sms_and_the_backward_nothing() -> None:
+    """132 SMs (H100), proj_fprop num_sm 24 with set_sm_margin: the attention projection's forward GEMM
+    [m x h/t] @ [h/t x h] runs on 108 SMs. Its output is (m / 256) x (h / 128) = 297 x 32 = 9504 tiles of
+    256 x 128, whole waves on 132 SMs (72) and on 108 (88), compute-bound, so it takes 132 / 108 as long:
+    the extra is 2 m (h / t) h / peak x 24 / 108. No other GEMM is narrowed: backward 0."""
+    device = dataclasses.replace(a100_cluster(ideal=True).device, num_sms=132, gemm_epilogue_overlap=True)
+    m, h, t, f = 256 * 297, 4096, 8, 16384
+    groups = [(m, h, 3 * h / t, 1.0), (m, h / t, h, 1.0), (m, h, f / t, 2.0)]
+    fwd, bwd = margin_extra_s(device, PEAK, groups, 2, 2, op_margins(Engine(tp_overlap_margin_sms_by_op={
+        "proj_fprop": 24})), 4.0, False)
+    assert math.isclose(fwd, 2 * m * (h / t) * h / PEAK * 24 / 108, rel_tol=1e-9)
+    assert bwd == 0.0
+
+
+def test_each_overlap_narrows_only_its_own_gemm() -> None:
+    """32 SMs, margin 16 (half): qkv_wgrad alone doubles the QKV weight-gradient GEMM [h x m] @ [m x 3h/t]
+    (h/128 x 3h/(128 t) = 32 x 12 tiles, whole waves on 32 and 16 SMs), extra 2 m h (3h/t) / peak in
+    backward; fc2_fprop alone the MLP output matmul's forward (1 of the n_mlp = 2 in the MLP group), extra
+    2 m h f / t / peak in forward. The uniform field keeps its meaning: 16 on the six pipeline / bulk ops."""
+    device = dataclasses.replace(a100_cluster(ideal=True).device, num_sms=32, gemm_epilogue_overlap=True)
+    m, h, t, f = 8192, 4096, 8, 16384
+    groups = [(m, h, 3 * h / t, 1.0), (m, h / t, h, 1.0), (m, h, f / t, 2.0)]
+    assert math.isclose(margin_extra_s(device, PEAK, groups, 2, 2, {"qkv_wgrad": 16}, 4.0, False)[1],
+                        2 * m * h * 3 * h / t / PEAK, rel_tol=1e-9)
+    assert margin_extra_s(device, PEAK, groups, 2, 2, {"qkv_wgrad": 16}, 4.0, False)[0] == 0.0
+    fc2 = margin_extra_s(device, PEAK, groups, 2, 2, {"fc2_fprop": 16}, 4.0, False)
+    assert math.isclose(fc2[0], 2 * m * h * f / t / PEAK, rel_tol=1e-9) and fc2[1] == 0.0
+    assert op_margins(Engine(tp_overlap_margin_sms=16)) == {**dict.fromkeys(TE_UB_OPS, 0),
+                                                            **dict.fromkeys(MARGIN_OPS, 16)}
+
+
+def test_a_forward_only_margin_prices_the_backward_as_without_one() -> None:
+    """The dgxc recipes' shape: margins on proj_fprop / fc2_fprop only. The forward TP cost is then the
+    uniform-16 engine's (the same two forward GEMMs narrowed by 16, the same forward ops) and the backward's
+    the no-margin engine's (NCCL's channels over the hidden time), both exactly."""
+    h100 = Cluster.load("dgx-h100-80gb", num_nodes=1)
+    block = gpt_graph(h=8192, a=64, layers=1, seq=4096, unfused=False).blocks[0]
+    config = ParallelConfig(tp=8, sp=True, microbatch=1)
+    uniform = dataclasses.replace(Engine.load("megatron-core"), tp_bwd_overlap=False)
+    none = dataclasses.replace(uniform, tp_overlap_margin_sms=0)
+    forward_only = dataclasses.replace(none, tp_overlap_margin_sms_by_op={"proj_fprop": 16, "fc2_fprop": 16})
+    u, n, fo = (estimate_layer(block, h100, config, "none", seq_len=4096, engine=e)
+                for e in (uniform, none, forward_only))
+    assert math.isclose(fo.fwd_comm_s, u.fwd_comm_s, rel_tol=1e-12)
+    assert math.isclose(fo.tp_comm_s - fo.fwd_comm_s, n.tp_comm_s - n.fwd_comm_s, rel_tol=1e-12)
+    assert fo.fwd_comm_s != n.fwd_comm_s
+
+
+def test_the_per_op_field_takes_a_mapping_and_refuses_unknown_ops(tmp_path) -> None:
+    """A YAML mapping (and replace() with a dict) becomes sorted pairs that survive to_dict / JSON /
+    from_dict; an op TE does not name is one clear line."""
+    import json
+
+    import pytest
+
+    from autoplan.cluster.engines import parse_engine
+
+    e = dataclasses.replace(Engine.load("megatron-core"), tp_overlap_margin_sms_by_op={"proj_fprop": 24, "fc2_fprop": 8})
+    assert e.tp_overlap_margin_sms_by_op == (("fc2_fprop", 8), ("proj_fprop", 24))
+    assert Engine.from_dict(json.loads(json.dumps(e.to_dict()))) == e and hash(e)
+    with pytest.raises(ValueError, match="tp_overlap_margin_sms_by_op.*proj_fprop"):
+        dataclasses.replace(e, tp_overlap_margin_sms_by_op={"proj_fwd": 24})
+    with pytest.raises(ValueError, match="tp_overlap_margin_sms_by_op"):
+        dataclasses.replace(e, tp_overlap_margin_sms_by_op={"proj_fprop": -1})
+    with pytest.raises(ValueError, match="mine.yaml.*tp_overlap_margin_sms_by_op"):
+        parse_engine({"schema_version": 1, "name": "x", "tp_overlap_margin_sms_by_op": {"qkv": 1}}, "mine.yaml")
