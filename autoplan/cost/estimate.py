@@ -292,7 +292,7 @@ def _reduce_floor(ranks: list[Rank], config: ParallelConfig, m: int) -> float:
     backward the rest; zero bubble's gradient passes its input-gradient part) and asynchronous reductions."""
     if not any(r.async_reduce for r in ranks):
         return 0.0
-    fwd = [sum(c.fwd_s + c.fwd_comm_s for c in r.costs) for r in ranks]
+    fwd = [sum(c.forward_s for c in r.costs) for r in ranks]
     bwd = [sum(c.time_s for c in r.costs) - f for r, f in zip(ranks, fwd)]
     if config.schedule is Schedule.ZERO_BUBBLE:
         bwd = [b - sum(c.bwd_weight_s for c in r.costs) for r, b in zip(ranks, bwd)]
