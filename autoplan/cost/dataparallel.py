@@ -27,7 +27,7 @@ from autoplan.cost.types import GroupPlacement, LayerCost
 from autoplan.graph.types import Layer
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import ZeroLayout
-from autoplan.plan.types import ParallelConfig
+from autoplan.plan.types import DENSE_DP, ParallelConfig
 
 __all__ = ["DpGroups", "Rank", "add_layers", "async_reduce", "async_reduce_s", "dp_fraction", "dp_groups",
            "rank_dp_times"]
@@ -43,7 +43,7 @@ class DpGroups:
 
 
 def dp_groups(config: ParallelConfig, cluster: ClusterSpec) -> DpGroups:
-    return DpGroups(dense=comm.group_placement(config, ("dp", "ep", "cp"), cluster.devices_per_node),
+    return DpGroups(dense=comm.group_placement(config, DENSE_DP, cluster.devices_per_node),
                     expert=expert_dp_placement(config, cluster.devices_per_node))
 
 
