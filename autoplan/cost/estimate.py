@@ -123,7 +123,8 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     microbatch included) + the exposed once-per-step gradient reduction + the exposed once-per-step
     weight all-gather + the optimizer step."""
     engine = engine or Engine()
-    engine.check_zero(config.zero, pp=config.pp)  # a stage or schedule the engine does not run is refused, not priced
+    # a stage or schedule the engine does not run is refused, not priced
+    engine.check_zero(config.zero, pp=config.pp, tp=config.tp, dp=config.dp, cp=config.cp, ep=config.ep)
     engine.check_schedule(config.schedule, pp=config.pp)
     if not overlap_dp and engine.dp_comm_overlap:
         engine = dataclasses.replace(engine, dp_comm_overlap=False)

@@ -141,10 +141,10 @@ def test_helper_block_params_are_12h2_plus_13h() -> None:
 
 def every_zero_stage(engine):
     """`engine` with every ZeRO stage and every pipeline schedule allowed, with a pipeline or without
-    (Engine.zero_stages, zero_stages_with_pp and schedules, which estimate_config enforces): for the mechanism
+    (Engine.zero_stages, zero_stages_with_pp, zero0_1d_only and schedules, which estimate_config enforces): for the mechanism
     tests that sweep the whole search space, ZeRO 0-3 and every schedule, under an engine variant whatever the
     engine itself runs (each field's cost term is read at every stage and schedule)."""
     import dataclasses
 
-    return dataclasses.replace(engine, zero_stages=(0, 1, 2, 3), zero_stages_with_pp=None,
+    return dataclasses.replace(engine, zero_stages=(0, 1, 2, 3), zero_stages_with_pp=None, zero0_1d_only=False,
                                schedules=("gpipe", "1f1b", "interleaved", "zb"))
