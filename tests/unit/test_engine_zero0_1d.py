@@ -10,7 +10,7 @@ import pytest
 from test_cost_graph_helper import a100_cluster, gpt_graph
 
 import autoplan
-from autoplan.cli.main import main
+from autoplan.cli.main import build_parser, main
 from autoplan.cost import estimate_config
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig
@@ -101,3 +101,18 @@ def test_the_cli_refuses_it_exit_2(capsys) -> None:
     err = capsys.readouterr().err
     assert err.startswith("autoplan: error: engine 'torchtitan' runs ZeRO stage 0") and "not beside tp=2" in err
     assert err.count("\n") == 1
+
+
+def test_the_plan_flag_asks_it_of_any_engine() -> None:
+    from autoplan.cli.plan import search_options
+
+    parser = build_parser()
+    args = parser.parse_args(["plan", "--model", "tiny-llama", "--cluster", "local-cpu", "--seq-len", "64",
+                              "--global-batch", "16", "--zero0-1d-only"])
+    opts = engine_search_options(search_options(args), Engine())
+    assert opts["zero0_1d_only"] is True
+    assert engine_search_options({}, Engine())["zero0_1d_only"] is False
+    space = enumerate_space(GRAPH, a100_cluster(1, per_node=4),
+                            SearchOptions(global_batch=8, tp=(2,), dp=(2,), microbatch=(1,), recompute=("none",),
+                                          sp=(False,), zero0_1d_only=True))
+    assert sorted(space.columns["zero"].tolist()) == [1, 2, 3]  # autoplan's stages less 0 beside tp 2
