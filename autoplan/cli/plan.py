@@ -74,7 +74,7 @@ SEARCH_FLAGS = {
     "ep": "--ep", "microbatch": "--microbatch", "zero": "--zero", "sp": "--sp", "schedules": "--schedules",
     "recompute": "--recompute", "max_virtual_stages": "--max-virtual-stages", "max_tp": "--max-tp",
     "use_ilp": "--no-ilp", "progress": "--quiet", "etp": "--etp", "eep": "--eep", "fold_experts": "--no-fold",
-    "zero_with_pp": "--zero-with-pp",
+    "zero_with_pp": "--zero-with-pp", "zero0_1d_only": "--zero0-1d-only",
 }
 _LIST_FLAGS = ("tp", "pp", "dp", "cp", "ep", "microbatch", "zero", "sp", "schedules", "recompute", "etp", "eep",
                "zero_with_pp")
@@ -90,6 +90,8 @@ def _add_search_flags(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--zero", default=None, metavar="Z[,Z]", help="ZeRO stage(s) among 0,1,2,3")
     g.add_argument("--zero-with-pp", dest="zero_with_pp", default=None, metavar="Z[,Z]",
                    help="ZeRO stage(s) where pp > 1, among --zero (default: those the engine runs with a pipeline)")
+    g.add_argument("--zero0-1d-only", dest="zero0_1d_only", action="store_true", default=None,
+                   help="zero 0 only where data parallelism is the only dimension (default: as the engine runs it)")
     g.add_argument("--sp", default=None, metavar="on|off|on,off", help="sequence parallelism (default: both)")
     g.add_argument("--schedules", default=None, metavar="S[,S]", help="pipeline schedules among "
                    + ",".join(s.value for s in Schedule))

@@ -27,7 +27,7 @@ from autoplan.cost.types import GroupPlacement, LayerCost
 from autoplan.graph.types import Layer
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import ZeroLayout
-from autoplan.plan.types import ParallelConfig
+from autoplan.plan.types import DENSE_DP, ParallelConfig
 
 __all__ = ["DpGroups", "Rank", "add_layers", "async_reduce", "async_reduce_s", "dp_fraction", "dp_groups",
            "rank_dp_times"]
@@ -43,7 +43,7 @@ class DpGroups:
 
 
 def dp_groups(config: ParallelConfig, cluster: ClusterSpec) -> DpGroups:
-    return DpGroups(dense=comm.group_placement(config, ("dp", "ep", "cp"), cluster.devices_per_node),
+    return DpGroups(dense=comm.group_placement(config, DENSE_DP, cluster.devices_per_node),
                     expert=expert_dp_placement(config, cluster.devices_per_node))
 
 
@@ -108,7 +108,7 @@ def add_layers(rank: Rank, costs: Sequence[LayerCost], layers: Sequence[Layer]) 
     """Add one chunk's layers to its rank: compute, tp / cp / ep communication, memory, parameters."""
     rank.chunks.append(len(costs))
     for c, layer in zip(costs, layers):
-        fwd = c.fwd_s + c.fwd_comm_s
+        fwd = c.forward_s
         rank.fwd += fwd
         rank.bwd += c.time_s - fwd
         rank.compute += c.fwd_s + c.bwd_s
@@ -187,7 +187,7 @@ def rank_dp_times(rank: Rank, cluster: ClusterSpec, config: ParallelConfig, layo
     reduce_fn = comm.reduce_scatter_s if layout.grad_reduction == "reduce_scatter" else comm.all_reduce_s
     dense = [c.grad_param_count for c in rank.costs]
     expert = [c.expert_param_count for c in rank.costs]
-    fwd = [c.fwd_s + c.fwd_comm_s for c in rank.costs]
+    fwd = [c.forward_s for c in rank.costs]
     bwd = [c.time_s - f for c, f in zip(rank.costs, fwd)]
 
     # FSDP2's groups (cost/fsdpunits.py); a rank running several chunks has one root group per chunk: not

@@ -155,13 +155,13 @@ def deepspeed_rank(rank: Rank, graph: LayerGraph, cluster: ClusterSpec, config: 
         rank.max_param_numel = max(rank.max_param_numel, max(numels))
         # zero3_fetch_norm: each fetch reads the layer's gathered weights once more (param.norm())
         norm = memory_time_s(cluster.device, fetch_norm_bytes(engine, sum(numels), w))
-        layers.append(ds.block_modules(numels, c.fwd_s + c.fwd_comm_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
+        layers.append(ds.block_modules(numels, c.forward_s + norm, c.time_s - c.fwd_s - c.fwd_comm_s
                                        - c.recompute_s + norm, c.recompute_s + (norm if full else 0.0), c.host_s, full,
                                        small))
     fwd, bwd, hidden = ds.microbatch_s(layers, engine, recompute=full, gather_s=gather_s, reduce_s=reduce_s,
                                        issue_s=issue, fill_s=fill_s, launch_s=launch,
                                        blocked_s=blocked, single_s=single_s)
-    base_f = sum(c.fwd_s + c.fwd_comm_s for c in rank.costs)
+    base_f = sum(c.forward_s for c in rank.costs)
     base_b = sum(c.time_s for c in rank.costs) - base_f
     exposed = max(fwd - base_f, 0.0) + max(bwd - base_b, 0.0)
     penalty = hidden_penalty_s(hidden, cluster, contention_fraction(cluster, groups.dense))

@@ -123,7 +123,8 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     microbatch included) + the exposed once-per-step gradient reduction + the exposed once-per-step
     weight all-gather + the optimizer step."""
     engine = engine or Engine()
-    engine.check_zero(config.zero, pp=config.pp)  # a stage or schedule the engine does not run is refused, not priced
+    # a stage or schedule the engine does not run is refused, not priced
+    engine.check_zero(config.zero, pp=config.pp, tp=config.tp, dp=config.dp, cp=config.cp, ep=config.ep)
     engine.check_schedule(config.schedule, pp=config.pp)
     if not overlap_dp and engine.dp_comm_overlap:
         engine = dataclasses.replace(engine, dp_comm_overlap=False)
@@ -292,7 +293,7 @@ def _reduce_floor(ranks: list[Rank], config: ParallelConfig, m: int) -> float:
     backward the rest; zero bubble's gradient passes its input-gradient part) and asynchronous reductions."""
     if not any(r.async_reduce for r in ranks):
         return 0.0
-    fwd = [sum(c.fwd_s + c.fwd_comm_s for c in r.costs) for r in ranks]
+    fwd = [sum(c.forward_s for c in r.costs) for r in ranks]
     bwd = [sum(c.time_s for c in r.costs) - f for r, f in zip(ranks, fwd)]
     if config.schedule is Schedule.ZERO_BUBBLE:
         bwd = [b - sum(c.bwd_weight_s for c in r.costs) for r, b in zip(ranks, bwd)]

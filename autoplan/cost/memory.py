@@ -16,7 +16,7 @@ from autoplan.cost.reserve import block_hidden, runtime_buffer_bytes
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.layout import ZeroLayout, expert_tp_split, zero_layout
-from autoplan.plan.types import MemoryBreakdown, ParallelConfig, Recompute
+from autoplan.plan.types import DENSE_DP, MemoryBreakdown, ParallelConfig, Recompute
 
 # Mixed-precision Adam, bytes per parameter (Rajbhandari et al., ZeRO, SC'20, section 3.1): 16-bit
 # weights (2) and gradients (2); fp32 master weights, momentum and variance (4 + 4 + 4 = 12). We keep
@@ -223,7 +223,7 @@ def nccl_buffer_bytes(config: ParallelConfig, cluster: ClusterSpec) -> float:
     if cluster.device.nccl_sms <= 0:
         return 0.0
     per_node = cluster.devices_per_node
-    groups = [comm.group_placement(config, axes, per_node) for axes in (("tp",), ("cp",), ("ep",), ("dp", "ep", "cp"))]
+    groups = [comm.group_placement(config, axes, per_node) for axes in (("tp",), ("cp",), ("ep",), DENSE_DP)]
     if config.ep > 1 or config.folded:
         groups.append(expert_dp_placement(config, per_node))
     channels = sum(nccl_channels(g, cluster) for g in groups) + (cluster.device.nccl_sms if config.pp > 1 else 0)

@@ -182,11 +182,11 @@ def add_hop(ranks: list[Rank], a: int, b: int, env_of: list[StageEnv], out_bytes
 def chunk_slots_s(sender: list[LayerCost], receiver: list[LayerCost]) -> tuple[float, float]:
     """add_hop's slots for the cut after the chunk `sender` (on rank a) into the chunk `receiver` (on rank b):
     one microbatch's backward of the sending chunk and forward of the receiving one, as add_layers splits a
-    layer's time_s (forward: fwd_s + fwd_comm_s). The compute a transfer hides behind is, in the steady state,
+    layer's time_s (forward: LayerCost.forward_s). The compute a transfer hides behind is, in the steady state,
     the next chunk the rank runs (overlapped_p2p_saving_s), which cycles through the rank's chunks
     (schedules.py get_model_chunk_id); it is priced as the chunk beside the cut, the same for a model's equal
     middle chunks."""
-    return sum(c.time_s - (c.fwd_s + c.fwd_comm_s) for c in sender), sum(c.fwd_s + c.fwd_comm_s for c in receiver)
+    return sum(c.time_s - c.forward_s for c in sender), sum(c.forward_s for c in receiver)
 
 
 def partitioned(config: ParallelConfig, engine: Engine) -> bool:

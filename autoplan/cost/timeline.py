@@ -254,7 +254,7 @@ def stage_times(graph: LayerGraph, cluster: ClusterSpec, plan: Plan) -> StageTim
     for i, names in enumerate(stages):
         costs = [estimate_layer(by_name[n], cluster, config, plan.recompute_for(n), seq_len=graph.seq_len,
                                 graph_microbatch=graph.microbatch) for n in names]
-        fwd.append(sum(c.fwd_s + c.fwd_comm_s for c in costs))
+        fwd.append(sum(c.forward_s for c in costs))
         bwd.append(sum(c.time_s for c in costs) - fwd[-1])
         weight.append(sum(c.bwd_weight_s for c in costs))
         last = i + 1 == len(stages) or placement[i + 1] == placement[i] or not costs

@@ -44,6 +44,12 @@ class LayerCost:
                 + self.tp_comm_s + self.cp_comm_s + self.ep_comm_s)
 
     @property
+    def forward_s(self) -> float:
+        """The layer's forward seconds: its forward compute and the tp / cp / ep traffic exposed in forward
+        (the rest of time_s is its backward, recompute included)."""
+        return self.fwd_s + self.fwd_comm_s
+
+    @property
     def comm_s(self) -> float:
         return self.tp_comm_s + self.cp_comm_s + self.ep_comm_s
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autoplan.plan.layout import EXPERT_AXIS_NAMES, expert_mesh_shape
-from autoplan.plan.types import MESH_AXIS_ORDER, ParallelConfig
+from autoplan.plan.types import DENSE_DP, MESH_AXIS_ORDER, ParallelConfig
 
 AXIS_NAMES: tuple[str, ...] = tuple(axis.value for axis in MESH_AXIS_ORDER)
 
@@ -87,7 +87,7 @@ def sub_meshes(mesh: DeviceMesh, expert_mesh: DeviceMesh | None = None) -> SubMe
         ep=mesh["ep"],
         cp=mesh["cp"],
         tp=mesh["tp"],
-        dense_dp=mesh["dp", "ep", "cp"]._flatten("dp_ep_cp"),
+        dense_dp=mesh[DENSE_DP]._flatten("dp_ep_cp"),
         expert_dp=expert_mesh["edp"] if folded else mesh["dp", "cp"]._flatten("dp_cp"),
         experts=expert_mesh["eep"] if folded else None,
         token_split=mesh["tp"] if folded else None,

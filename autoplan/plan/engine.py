@@ -46,6 +46,15 @@ def check_zero_stage(value: object, *, integer: bool = False) -> None:
         raise ValueError(f"zero must be 0, 1, 2 or 3, got {value!r}")
 
 
+def zero_runs_on(stage: object, zero0_1d_only: bool, *, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1,
+                 ep: int = 1) -> bool:
+    """Whether ZeRO stage `stage` runs on the mesh (tp, pp, dp, cp, ep) as far as Engine.zero0_1d_only says:
+    every stage but 0 does; 0 does unless that field is set, there is data parallelism (the dense group
+    dp * ep * cp > 1) and another dimension (tp, pp, cp or ep > 1) beside it. Engine.runs_zero and the
+    search's enumeration (search/space.py) both ask this."""
+    return stage != 0 or not zero0_1d_only or dp * ep * cp == 1 or tp == pp == cp == ep == 1
+
+
 def _stage_list(name: str, stages: object) -> tuple[int, ...]:
     """An engine field listing ZeRO stages (zero_stages, zero_stages_with_pp) as a sorted tuple, or ValueError."""
     if not isinstance(stages, (list, tuple)) or not all(is_zero_stage(z) for z in stages):
@@ -166,6 +175,10 @@ class Engine:
     # engine whose pipeline runs every stage it has). The search enumerates only these where pp > 1 and a
     # config with another is refused (check_zero with its pp). Each engine YAML cites its engine's code
     zero_stages_with_pp: tuple[int, ...] | None = None
+    # ZeRO 0 (replicated data parallelism) runs only as the only parallel dimension: with data parallelism
+    # (dp * ep * cp > 1), only at tp = pp = cp = ep = 1 (zero_runs_on); false: beside any other dimension.
+    # The search drops the others and a config with one is refused (check_zero). Each engine YAML cites its code
+    zero0_1d_only: bool = False
     # the pipeline schedules (ParallelConfig.schedule values) the engine runs where pp > 1 (with pp = 1 none
     # runs: every engine's no-pipeline path); the search enumerates only these and a config or a forced
     # schedule with another is refused (check_schedule). Each engine YAML cites its engine's code
@@ -247,17 +260,26 @@ class Engine:
         """The ZeRO stages this engine runs at pipeline degree `pp`: zero_stages, or zero_stages_with_pp where pp > 1."""
         return self.zero_stages if pp <= 1 or self.zero_stages_with_pp is None else self.zero_stages_with_pp
 
-    def runs_zero(self, stage: object, *, pp: int = 1) -> bool:
+    def runs_zero(self, stage: object, *, pp: int = 1, tp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1) -> bool:
         """Whether this engine runs ZeRO stage `stage` at pipeline degree `pp` (a stage at all, is_zero_stage,
-        among zero_stages_at(pp)): the one test behind check_zero and the search's stages (search/space.py
-        engine_zero, engine_zero_with_pp)."""
-        return is_zero_stage(stage) and stage in self.zero_stages_at(pp)
+        among zero_stages_at(pp)) on the mesh with the other degrees (zero_runs_on: zero0_1d_only; the defaults,
+        nothing data parallel, leave it out): the one test behind check_zero and the search's stages
+        (search/space.py engine_zero, engine_zero_with_pp, enumerate_space)."""
+        return (is_zero_stage(stage) and stage in self.zero_stages_at(pp)
+                and zero_runs_on(stage, self.zero0_1d_only, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep))
 
-    def check_zero(self, zero: int, *, pp: int = 1) -> None:
-        """ValueError, one line, when this engine does not run ZeRO stage `zero` at pipeline degree `pp`
-        (runs_zero; pp > 1 also stands for 'only with a pipeline' in the search)."""
-        if self.runs_zero(zero, pp=pp):
+    def check_zero(self, zero: int, *, pp: int = 1, tp: int = 1, dp: int = 1, cp: int = 1, ep: int = 1) -> None:
+        """ValueError, one line, when this engine does not run ZeRO stage `zero` at pipeline degree `pp` on the
+        mesh with the other degrees (runs_zero; pp > 1 also stands for 'only with a pipeline' in the search)."""
+        if self.runs_zero(zero, pp=pp, tp=tp, dp=dp, cp=cp, ep=ep):
             return
+        if self.runs_zero(zero, pp=pp):  # the stage runs here, but not beside these degrees
+            others = ", ".join(f"{k}={v}" for k, v in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep)) if v > 1)
+            sharded = ", ".join(str(z) for z in self.zero_stages_at(pp) if z)
+            raise ValueError(f"engine {self.name!r} runs ZeRO stage 0 (replicated data parallelism) only as the only "
+                             f"parallel dimension (its zero0_1d_only), not beside {others}: use --zero / zero= among "
+                             f"{sharded or 'none (this engine shards nothing here)'}, or tp = pp = cp = ep = 1, or an "
+                             f"engine that runs zero 0 beside them")
         if not self.runs_zero(zero):
             runs = ", ".join(map(str, self.zero_stages))
             raise ValueError(f"engine {self.name!r} runs ZeRO stage(s) {runs} only (its zero_stages), not zero {zero}: "

@@ -33,6 +33,10 @@ class MeshAxis(_StrEnum):
 # Outermost first. tp is innermost so its groups are consecutive ranks inside a node (NVLink); then cp,
 # ep, dp; pp outermost, so its point-to-point traffic is the one that crosses nodes first.
 MESH_AXIS_ORDER: tuple[MeshAxis, ...] = (MeshAxis.PP, MeshAxis.DP, MeshAxis.EP, MeshAxis.CP, MeshAxis.TP)
+# The dense parameters' data-parallel axes: every replica of a dense weight (an ep rank holds other experts
+# but the same dense weights; a cp rank other tokens). The cost model's dense dp group, the quick estimate's
+# (search.collectives re-exports it) and the executor's dense_dp mesh (execute/mesh.py sub_meshes) all span these.
+DENSE_DP: tuple[str, ...] = ("dp", "ep", "cp")
 
 
 class Schedule(_StrEnum):

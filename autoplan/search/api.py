@@ -205,7 +205,8 @@ def estimate(model: Any, cluster: Any, config: ParallelConfig | Mapping[str, Any
             raise ValueError(f"config must be a ParallelConfig or a dict, got {type(config).__name__}")
         config = ParallelConfig.from_dict(config, num_devices=spec.num_devices)
     check_config(config, spec, global_batch)
-    eng.check_zero(config.zero, pp=config.pp)  # before the capture and the pricing
+    # before the capture and the pricing
+    eng.check_zero(config.zero, pp=config.pp, tp=config.tp, dp=config.dp, cp=config.cp, ep=config.ep)
     eng.check_schedule(config.schedule, pp=config.pp)
     from autoplan.cost import estimate_config
 

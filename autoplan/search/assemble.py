@@ -249,10 +249,11 @@ def _step_tail(fwd, bwd_all, reduce, gather, copy_out, layers, units, lay, engin
         tail = tail if first is None else tail + first.reduce
         tail = tail if chunked is None else np.where(chunked[0], chunked[1], tail)
     else:
-        # the experts' gradients all-reduced whatever the layout (cost.dataparallel.rank_dp_times' whole() takes
-        # the layout's reduce_fn for them too: a difference the quick estimate keeps)
-        e = collective_s("ar", sizes, EXPERT_DP, expert * wire, cluster)
-        tail = reduce_s(sizes, DENSE_DP, dense * wire, cluster, lay) + e
+        # one collective of all the rank's dense gradients and one of its experts', each reduce-scattered or
+        # all-reduced by the layout (cost.dataparallel.rank_dp_times' whole(); the executor's FSDP2 wraps the
+        # experts over the expert mesh with the dense blocks' wrapper: execute/fsdp.py apply_data_parallel)
+        tail = (reduce_s(sizes, DENSE_DP, dense * wire, cluster, lay)
+                + reduce_s(sizes, EXPERT_DP, expert * wire, cluster, lay))
     tail = tail + copy_in
     offsets = np.cumsum(bwd_all, axis=1) - bwd_all
     active = (once[:, 0] | (async_tail > 0).any(axis=1))[:, None]

@@ -14,13 +14,12 @@ import numpy as np
 from autoplan.cluster.types import ClusterSpec
 from autoplan.cost import comm
 from autoplan.cost.experts import expert_dp_placement
+from autoplan.plan.types import DENSE_DP  # the dense data-parallel axes; importable from here as before
 from autoplan.search.pricing import MESH_COLS, Mesh, Pricing, config_of, price_classes, price_rows
 
 _KINDS = {"ag": comm.all_gather_s, "rs": comm.reduce_scatter_s, "ar": comm.all_reduce_s}
 # the experts' data-parallel group (cost.experts.expert_dp_placement: dp * cp unfolded, edp when folded)
 EXPERT_DP = ("edp",)
-# the dense parameters' data-parallel group (cost.dataparallel.dp_groups' dense: every replica of a dense weight)
-DENSE_DP = ("dp", "ep", "cp")
 
 
 def mesh_sizes(c: dict[str, np.ndarray], pricing: Pricing | None = None) -> Mesh:

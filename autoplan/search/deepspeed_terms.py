@@ -52,12 +52,12 @@ def _deepspeed_step_terms(graph: LayerGraph, cluster: ClusterSpec, c: dict[str, 
     for t, size in set(zip(tp.tolist(), n.tolist())):
         config, rows = ParallelConfig(tp=t), (tp == t) & (n == size)
         layer_cost = cost.estimate_layer(block, cluster, config, "none", seq_len=graph.seq_len)
-        small = layer_small_numels(block, layer_cost, graph, config)
+        numels, small = (layer_numels(block, layer_cost, graph, config),
+                         layer_small_numels(block, layer_cost, graph, config))
         if engine.zero3_small_grad_hooks:
-            out["ds_fetch_wait_share"][rows] = fetch_wait_share(layer_numels(block, layer_cost, graph, config), small,
-                                                                engine.zero3_reduce_bucket_numel)
+            out["ds_fetch_wait_share"][rows] = fetch_wait_share(numels, small, engine.zero3_reduce_bucket_numel)
         if engine.zero3_serial_grad_checks and size > 1:
-            tensors = sum(1 for k in (*layer_numels(block, layer_cost, graph, config), *small) if k > 0)
+            tensors = sum(1 for k in (*numels, *small) if k > 0)
             out["ds_layer_ops"][rows] += ds.GRAD_CHECK_OPS_PER_PARAM * tensors
             out["ds_fixed_ops"][rows] += ds.GRAD_CHECK_READS
         if engine.zero3_regather_persistent and size > 1:

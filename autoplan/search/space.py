@@ -18,7 +18,7 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.engine import ZERO_STAGES, Engine, check_zero_stage, is_zero_stage
+from autoplan.plan.engine import ZERO_STAGES, Engine, check_zero_stage, is_zero_stage, zero_runs_on
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
 from autoplan.search.folding import expert_layouts, with_expert_layouts
 from autoplan.search.hetero import stage_fits_groups
@@ -45,6 +45,9 @@ class SearchOptions:
     # the stages of `zero` searched where pp > 1 (None: all of them): an engine's zero_stages_with_pp
     # (engine_search_options)
     zero_with_pp: tuple[int, ...] | None = None
+    # zero 0 only as the only parallel dimension (plan.engine.zero_runs_on): an engine's zero0_1d_only
+    # (engine_search_options)
+    zero0_1d_only: bool = False
     sp: tuple[bool, ...] = (False, True)
     schedules: tuple[Schedule, ...] = SCHEDULES
     recompute: tuple[Recompute, ...] = RECOMPUTES
@@ -70,6 +73,8 @@ class SearchOptions:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self._check_zero()
+        if not isinstance(self.zero0_1d_only, bool):
+            raise ValueError(f"zero0_1d_only must be true or false, got {self.zero0_1d_only!r}")
         sp = _as_tuple(self.sp)
         if any(not isinstance(s, bool) for s in sp):
             raise ValueError(f"sp must be true or false, got {self.sp!r}")
@@ -98,7 +103,8 @@ class SearchOptions:
 def engine_search_options(options: dict[str, Any], engine: Engine) -> dict[str, Any]:
     """A caller's search options (SearchOptions fields) restricted to what `engine` runs, a forced value it
     does not run refused in one line before any work (search/api.py, before the cluster and the capture):
-    zero (engine_zero), zero_with_pp (engine_zero_with_pp) and schedules (engine_schedules)."""
+    zero (engine_zero), zero_with_pp (engine_zero_with_pp), zero0_1d_only (the engine's) and schedules
+    (engine_schedules)."""
     pp = options.get("pp")
     given_pp = () if pp is None else _as_tuple(pp)
     degrees = [p for p in given_pp if isinstance(p, int) and not isinstance(p, bool)]
@@ -107,6 +113,7 @@ def engine_search_options(options: dict[str, Any], engine: Engine) -> dict[str, 
     out = dict(options)
     out["zero"] = engine_zero(options.get("zero"), engine, pipelined=pipelined)
     out["zero_with_pp"] = engine_zero_with_pp(options.get("zero_with_pp"), out["zero"], engine)
+    out["zero0_1d_only"] = bool(options.get("zero0_1d_only", False)) or engine.zero0_1d_only
     out["schedules"] = engine_schedules(options.get("schedules"), engine, flat=flat)
     return out
 
@@ -319,9 +326,11 @@ def enumerate_space(graph: LayerGraph, cluster: ClusterSpec, options: SearchOpti
         per_replica = options.global_batch // (dp * ep)
         mbs = _allowed(divisors(per_replica), options.microbatch)
         # ZeRO shards over the dense data-parallel group dp*ep*cp (plan.layout.zero_layout): nothing to shard
-        # over one rank; with a pipeline, the stages the engine runs with one (SearchOptions.zero_with_pp)
+        # over one rank; with a pipeline, the stages the engine runs with one (SearchOptions.zero_with_pp); zero 0
+        # where the engine runs it beside the other degrees (SearchOptions.zero0_1d_only)
         stages = options.zero if pp == 1 or options.zero_with_pp is None else options.zero_with_pp
-        zeros = [z for z in stages if dp * ep * cp > 1 or z == 0]
+        zeros = [z for z in stages if (dp * ep * cp > 1 or z == 0)
+                 and zero_runs_on(z, options.zero0_1d_only, tp=tp, pp=pp, dp=dp, cp=cp, ep=ep)]
         sps = [int(s) for s in options.sp if tp > 1 or not s]
         scheds = [(SCHEDULES.index(s), v) for s, v in schedule_choices(pp, num_blocks, options)]
         if not (mbs and zeros and sps and scheds and recomputes):

@@ -137,7 +137,7 @@ def key_config(**fields: Any) -> ParallelConfig:
 
 
 def _fields(c: Any) -> tuple[float, ...]:
-    return (c.time_s, c.fwd_s + getattr(c, "fwd_comm_s", 0.0), c.bwd_weight_s, c.act_mem_bytes, c.param_count,
+    return (c.time_s, c.forward_s, c.bwd_weight_s, c.act_mem_bytes, c.param_count,
             c.grad_param_count, c.expert_param_count, c.output_bytes, getattr(c, "work_mem_bytes", 0),
             getattr(c, "host_s", 0.0), getattr(c, "fresh_grad_saving_s", 0.0), c.cp_comm_s)
 

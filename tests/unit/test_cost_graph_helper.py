@@ -141,7 +141,7 @@ def test_helper_block_params_are_12h2_plus_13h() -> None:
 
 def every_zero_stage(engine):
     """`engine` with every ZeRO stage and every pipeline schedule allowed, with a pipeline or without
-    (Engine.zero_stages, zero_stages_with_pp and schedules, which estimate_config enforces): for the mechanism
+    (Engine.zero_stages, zero_stages_with_pp, zero0_1d_only and schedules, which estimate_config enforces): for the mechanism
     tests that sweep the whole search space, ZeRO 0-3 and every schedule, under an engine variant whatever the
     engine itself runs (each field's cost term is read at every stage and schedule)."""
     import dataclasses
@@ -149,5 +149,5 @@ def every_zero_stage(engine):
     from autoplan.plan.engine import ZERO_STAGES
     from autoplan.plan.types import Schedule
 
-    return dataclasses.replace(engine, zero_stages=ZERO_STAGES, zero_stages_with_pp=None,
+    return dataclasses.replace(engine, zero_stages=ZERO_STAGES, zero_stages_with_pp=None, zero0_1d_only=False,
                                schedules=tuple(s.value for s in Schedule))
