@@ -222,13 +222,16 @@ def test_the_zero_with_pp_flag_reaches_the_search_and_is_checked_against_the_eng
 
     job = ["--model", "gpt3-1.7b", "--cluster", "dgx-a100-80gb", "--global-batch", "64", "--seq-len", "2048",
            "--engine", "torchtitan"]
-    given = search_options(build_parser().parse_args(["plan", *job, "--zero-with-pp", "0"]))
-    assert given["zero_with_pp"] == (0,) and "zero" not in given
+    given = search_options(build_parser().parse_args(["plan", *job, "--zero-with-pp", "2"]))
+    assert given["zero_with_pp"] == (2,) and "zero" not in given
     opts = engine_search_options({"zero_with_pp": given["zero_with_pp"]}, Engine.load("torchtitan"))
     c = enumerate_space(GRAPH, a100_cluster(2, per_node=4), SearchOptions(global_batch=8, **opts)).columns
     sharded = (c["dp"] * c["ep"] * c["cp"]) > 1
-    assert set(c["zero"][(c["pp"] > 1) & sharded].tolist()) == {0}
-    assert set(c["zero"][(c["pp"] == 1) & sharded].tolist()) == {0, 2, 3}
+    alone = (c["tp"] == 1) & (c["pp"] == 1) & (c["cp"] == 1) & (c["ep"] == 1)
+    assert set(c["zero"][(c["pp"] > 1) & sharded].tolist()) == {2}
+    # zero 0 beside no other dimension only (torchtitan's zero0_1d_only: DDP refuses > 1-D meshes)
+    assert set(c["zero"][(c["pp"] == 1) & sharded & alone].tolist()) == {0, 2, 3}
+    assert set(c["zero"][(c["pp"] == 1) & sharded & ~alone].tolist()) == {2, 3}
     assert main(["plan", *job, "--zero-with-pp", "0,3"]) == 2
     assert capsys.readouterr().err == (
         "autoplan: error: engine 'torchtitan' runs ZeRO stage(s) 0, 2 only with a pipeline (pp > 1: its "
