@@ -69,8 +69,18 @@ def padded_vocab(V: int, tp: int, divisible_by: int = 128) -> int:
     return -(-V // multiple) * multiple
 
 
+MODEL_FIELDS = {"gpt": ("hidden", "heads", "layers", "vocab", "seq_len"),
+                "llama": ("hidden", "heads", "kv_heads", "ffn", "layers", "vocab", "seq_len")}
+
+
 def graph_of(model: dict) -> LayerGraph:
-    if model["family"] == "gpt":
+    family = model.get("family")
+    if family not in MODEL_FIELDS:
+        raise ValueError(f"model family {family!r}: give 'family' one of {sorted(MODEL_FIELDS)}")
+    missing = [k for k in MODEL_FIELDS[family] if k not in model]
+    if missing:
+        raise ValueError(f"model field(s) {missing} missing: a {family} model needs {list(MODEL_FIELDS[family])}")
+    if family == "gpt":
         return gpt_graph(h=model["hidden"], a=model["heads"], layers=model["layers"], seq=model["seq_len"],
                          vocab=model["vocab"], ffn=model.get("ffn"), tied=model.get("tied_embeddings", True))
     return llama_graph(h=model["hidden"], a=model["heads"], kv=model["kv_heads"], ffn=model["ffn"],
@@ -158,8 +168,72 @@ def measured_step_s(rec: dict, peak_flops: float, model_flops: float) -> float:
     return model_flops / (measured["mfu"] * peak_flops * gpus)  # MFU: the same model FLOPs over the measured step
 
 
-def records() -> list[dict]:
-    return json.loads(RUNS.read_text())["records"]
+REQUIRED_KEYS = ("id", "set", "engine", "model", "cluster", "config", "global_batch", "measured")
+CLUSTER_KEYS = ("profile", "gpus", "dtype")
+MEASURED_KEYS = ("iteration_time_s", "tflops_per_gpu_with_recompute", "tflops_per_gpu_megatron_core",
+                 "mfu_megatron_core_flops", "tokens_per_s_per_gpu", "mfu")  # what measured_step_s reads
+
+
+def records(path: Path | str = RUNS) -> list[dict]:
+    """The records of a file of published_runs.json's format, each checked for the keys every record
+    needs: a ValueError of one line naming the file, the record and the key otherwise."""
+    try:
+        recs = json.loads(Path(path).read_text())["records"]
+        if not isinstance(recs, list):
+            raise TypeError("'records' is not a list")
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"{path}: not a records file ({type(err).__name__}: {err}): give a JSON object "
+                         f"whose 'records' is a list of records") from None
+    seen: set = set()
+    for i, rec in enumerate(recs):
+        problem = record_problem(rec, seen)
+        if problem:
+            name = f"record {rec['id']!r}" if isinstance(rec, dict) and "id" in rec else f"record #{i}"
+            raise ValueError(f"{path}: {name}: {problem}")
+    return recs
+
+
+def record_problem(rec: object, seen: set) -> str | None:
+    """What a record lacks (the first missing key), or None: see REQUIRED_KEYS, CLUSTER_KEYS, MEASURED_KEYS."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object: each record has keys {list(REQUIRED_KEYS)}"
+    for key in REQUIRED_KEYS:
+        if key not in rec:
+            return f"missing key {key!r}: each record has keys {list(REQUIRED_KEYS)}"
+    for key in ("model", "cluster", "config", "measured"):
+        if not isinstance(rec[key], dict):
+            return f"{key!r} is not a JSON object"
+    for key in CLUSTER_KEYS:
+        if key not in rec["cluster"]:
+            return f"missing key 'cluster.{key}': its cluster has keys {list(CLUSTER_KEYS)}"
+    if not set(MEASURED_KEYS) & set(rec["measured"]):
+        return f"'measured' has none of {list(MEASURED_KEYS)}: give the figure its source published"
+    if rec["id"] in seen:
+        return "duplicate id: give each record its own"
+    seen.add(rec["id"])
+    return None
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A record (or one of its alternatives) the cost model would not price: why, in one line. Counted,
+    never in an error summary."""
+
+    set: str
+    label: str
+    engine: str
+    reason: str
+
+
+def price(rec: dict) -> Result | Refused:
+    """predict(rec), or the reason it cannot be priced: estimate_config's ValueError (an engine that does
+    not run the config, degrees that do not divide, ...) or any other error, named by its type."""
+    try:
+        return predict(rec)
+    except Exception as err:  # noqa: BLE001 - one record must not stop the others (the bench exits 1)
+        reason = str(err) if isinstance(err, ValueError) else f"{type(err).__name__}: {err}"
+        return Refused(set=rec["set"], label=rec["id"], engine=rec["engine"],
+                       reason=" ".join(reason.split()) or type(err).__name__)
 
 
 @dataclass(frozen=True)
@@ -170,7 +244,7 @@ class Alternative:
 
     name: str
     why: str
-    result: Result
+    result: Result | Refused
 
 
 ALTERNATIVE_KEYS = ("name", "why", "config", "engine_overrides")
@@ -203,15 +277,11 @@ def check_alternative(rec: dict, alt: dict) -> None:
 
 
 def alternatives(rec: dict) -> list[Alternative]:
-    """Each of the record's alternatives priced by predict() on the record with those fields replaced."""
+    """Each of the record's alternatives priced by price() on the record with those fields replaced (a
+    Refused result where it cannot be)."""
     out = []
     for alt in rec.get("alternatives", []):
-        changed = with_alternative(rec, alt)
-        try:
-            result = predict(changed)
-        except ValueError as err:
-            raise ValueError(f"{rec['id']}: alternative {alt['name']!r}: {err}") from None
-        out.append(Alternative(name=alt["name"], why=alt["why"], result=result))
+        out.append(Alternative(name=alt["name"], why=alt["why"], result=price(with_alternative(rec, alt))))
     return out
 
 

@@ -74,9 +74,9 @@ def _stub_bench(monkeypatch: pytest.MonkeyPatch, drawn: list) -> tuple[list[Resu
     monkeypatch.setattr(accuracy, "vtrain_results", lambda name, set_name: targets[set_name])
     monkeypatch.setattr(accuracy.validate_calibration, "calibration_results", lambda: cal)
     monkeypatch.setattr(accuracy.validate_calibration, "korthikanti_results", lambda: kor)
-    monkeypatch.setattr(accuracy, "records", list)
-    monkeypatch.setattr(accuracy, "published_checks", lambda recs: (checks, alts))
-    monkeypatch.setattr(accuracy, "print_alternatives", lambda checks, alts: None)
+    monkeypatch.setattr(accuracy, "records", lambda path: [])
+    monkeypatch.setattr(accuracy, "published_checks", lambda recs, refused=None: (checks, alts))
+    monkeypatch.setattr(accuracy, "print_alternatives", lambda checks, alts, recs: None)
     monkeypatch.setattr(accuracy_plot, "write_png", lambda series, path: drawn.append((series, path)))
     return targets["vtrain-multi"] + targets["vtrain-single"] + cal + kor, checks
 

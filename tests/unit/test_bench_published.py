@@ -203,7 +203,7 @@ def test_the_bench_stops_on_a_bad_alternative_before_pricing(monkeypatch, capsys
     import accuracy
 
     bad = {**_record("mcore-h100-32B"), "alternatives": [{"name": "typo", "why": "w", "config": {"mb": 2}}]}
-    monkeypatch.setattr(accuracy, "records", lambda: [bad])
+    monkeypatch.setattr(accuracy, "records", lambda path: [bad])
     monkeypatch.setattr(accuracy, "vtrain_results", lambda *a: pytest.fail("priced before the check"))
     monkeypatch.setattr(sys, "argv", ["accuracy.py"])
     assert accuracy.main() == 2
