@@ -207,7 +207,7 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
         rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
         f = contention_fraction(cluster, group)  # the tp communicator's NCCL channels (overlap.nccl_channels)
         if engine.tp_comm_overlap and config.sp and engine.tp_overlap_comm_sms_by_op and not shape.num_experts:
-            fwd, bwd, rec = _te_phases_s(engine, cluster, group, hidden_bytes, times, fwd, bwd, rec)
+            fwd, bwd, rec = _te_phases_s(engine, cluster, group, hidden_bytes, times, fwd, bwd, rec, skip > 0)
         elif engine.tp_comm_overlap and config.sp:
             # a phase with a TE margin (userbuffers.margin_phases): the margin-narrowed GEMMs run slower whatever
             # the communication's length; one without: NCCL's channels over the hidden time
@@ -231,19 +231,21 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
 
 
 def _te_phases_s(engine: Engine, cluster: ClusterSpec, group, hidden_bytes: float, times: ComputeTimes,
-                 fwd: float, bwd: float, rec: float) -> tuple[float, float, float]:
+                 fwd: float, bwd: float, rec: float, early_stop: bool) -> tuple[float, float, float]:
     """A dense block's (forward, backward, recompute) TP seconds under TE userbuffers with
     engine.tp_overlap_comm_sms_by_op: each phase exposes max(0, comm - GEMMs), pays its margin-narrowed GEMMs'
     loss (times.margin_*_s, where the phase communicates) and the SMs its margin-free overlaps' communication
     kernels hold (userbuffers.comm_contention_s: num_sm / num_sms of each one's all-gather or reduce-scatter),
-    of the part the GEMMs hide (min(comm, GEMMs) / comm), in place of NCCL's channels."""
+    of the part the GEMMs hide (min(comm, GEMMs) / comm), in place of NCCL's channels. An early-stopping
+    recompute (`early_stop`: it ends before the MLP output projection) runs no fc2_fprop reduce-scatter."""
     ag = comm.all_gather_s(hidden_bytes, group, cluster)
     rs = comm.reduce_scatter_s(hidden_bytes, group, cluster)
     held_fwd, held_bwd = comm_contention_s(engine, cluster.device.num_sms, ag, rs)
+    held_rec = comm_contention_s(engine, cluster.device.num_sms, ag, rs, ("fc2_fprop",))[0] if early_stop else held_fwd
     return tuple(max(c - g, 0.0) + ((m + held * min(c, g) / c) if c > 0 else 0.0) for c, g, m, held in
                  ((fwd, times.gemm_fwd_s, times.margin_fwd_s, held_fwd),
                   (bwd, times.gemm_bwd_s, times.margin_bwd_s, held_bwd),
-                  (rec, times.gemm_fwd_s, times.margin_fwd_s, held_fwd)))
+                  (rec, times.gemm_fwd_s, times.margin_fwd_s, held_rec)))
 
 
 def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute,

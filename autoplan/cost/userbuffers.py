@@ -76,18 +76,19 @@ def margin_phases(engine: Engine) -> tuple[bool, bool]:
 RS_OPS = ("proj_fprop", "fc2_fprop", "qkv_wgrad", "fc1_wgrad")
 
 
-def comm_contention_s(engine: Engine, num_sms: int, all_gather_s: float,
-                      reduce_scatter_s: float) -> tuple[float, float]:
+def comm_contention_s(engine: Engine, num_sms: int, all_gather_s: float, reduce_scatter_s: float,
+                      skip: tuple[str, ...] = ()) -> tuple[float, float]:
     """(forward, backward) GEMM seconds lost to TE userbuffers' communication kernels beside full-width GEMMs:
     each op in tp_overlap_comm_sms_by_op without a margin (op_margins 0) holds its num_sm of the num_sms SMs for
     its collective's duration (reduce_scatter_s for RS_OPS, else all_gather_s), num_sm / num_sms x that. An op
-    with a margin holds none beyond it (its comm runs on the margin SMs margin_extra_s prices)."""
+    with a margin holds none beyond it (its comm runs on the margin SMs margin_extra_s prices); ops in `skip`
+    do not run (an early-stopping recompute's fc2_fprop)."""
     if num_sms <= 0:
         return 0.0, 0.0
     margins = op_margins(engine)
     forward = backward = 0.0
     for op, sms in engine.tp_overlap_comm_sms_by_op:
-        if margins[op] > 0 or sms <= 0:
+        if margins[op] > 0 or sms <= 0 or op in skip:
             continue
         lost = min(sms / num_sms, 1.0) * (reduce_scatter_s if op in RS_OPS else all_gather_s)
         if op in FORWARD_OPS:

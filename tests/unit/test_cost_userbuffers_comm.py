@@ -82,3 +82,20 @@ def test_the_comm_field_takes_a_mapping_and_refuses_unknown_ops() -> None:
         Engine(tp_overlap_comm_sms_by_op={"qkv": 2})
     with pytest.raises(ValueError, match="tp_overlap_comm_sms_by_op"):
         Engine(tp_overlap_comm_sms_by_op={"qkv_wgrad": -1})
+
+
+def test_an_early_stopping_recompute_runs_no_fc2_reduce_scatter() -> None:
+    """Full recompute, pipeline overlaps holding 16 SMs each: the recompute re-runs the forward's overlaps,
+    proj_fprop and fc2_fprop (16 / 132 of 2 reduce-scatters); one that stops before the MLP output projection
+    (engine.recompute_early_stop) runs proj_fprop's only: the TP cost is 16 / 132 of one reduce-scatter less."""
+    h100 = Cluster.load("dgx-h100-80gb", num_nodes=1)
+    block = gpt_graph(h=16384, a=128, layers=1, seq=4096, unfused=False).blocks[0]
+    config = ParallelConfig(tp=8, sp=True, microbatch=1)
+    base = dataclasses.replace(Engine.load("megatron-core"), tp_bwd_overlap=False, tp_overlap_margin_sms=0,
+                               tp_overlap_comm_sms_by_op={"proj_fprop": 16, "fc2_fprop": 16})
+    full, early = (estimate_layer(block, h100, config, "full", seq_len=4096,
+                                  engine=dataclasses.replace(base, recompute_early_stop=stop)) for stop in (False, True))
+    group = comm.group_placement(config, ("tp",), h100.devices_per_node)
+    rs = comm.reduce_scatter_s(4096 * 16384 * 2, group, h100)
+    assert math.isclose(full.tp_comm_s - early.tp_comm_s, 16 / 132 * rs, rel_tol=1e-9)
+    assert math.isclose(full.tp_comm_s - full.fwd_comm_s, 16 / 132 * 2 * rs, rel_tol=1e-9)  # rec only: bwd lists none
