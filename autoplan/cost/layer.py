@@ -15,7 +15,7 @@ from autoplan.cost.kernels import memory_time_s
 from autoplan.cost.memory import block_activation_bytes, layer_param_counts, other_activation_bytes
 from autoplan.cost.overlap import contention_fraction
 from autoplan.cost.types import LayerCost
-from autoplan.cost.userbuffers import margin_phases
+from autoplan.cost.userbuffers import comm_contention_s, margin_phases
 from autoplan.graph.types import Layer, LayerRole
 from autoplan.plan.engine import Engine
 from autoplan.plan.types import ParallelConfig, Recompute
@@ -183,7 +183,10 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     (engine.tp_overlap_margin_sms, tp_overlap_margin_sms_by_op: cost/userbuffers.py) the communication is
     TE's, not NCCL's: the ring-exchange all-gathers copy on the copy engines and take no SMs, while each
     GEMM beside an overlap with a margin runs on num_sms - its margin SMs throughout (times.margin_fwd_s /
-    margin_bwd_s, a dense block's; a full recompute pays the forward's again).
+    margin_bwd_s, a dense block's; a full recompute pays the forward's again). With
+    engine.tp_overlap_comm_sms_by_op (a dense block) the margin-free overlaps' communication kernels hold their
+    own num_sm SMs for their collective's duration (_te_phases_s, userbuffers.comm_contention_s), in place of
+    NCCL's channels in every phase; without it a phase with no margin keeps NCCL's channels.
 
     engine.tp_bwd_overlap (Megatron-LM from 2021-09, megatron/mpu/layers.py
     LinearWithGradAccumulationAndAsyncCommunication.backward: `handle = torch.distributed.all_reduce(
@@ -203,7 +206,9 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
         skip = reduce if engine.recompute_early_stop and not shape.num_experts else 0.0
         rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
         f = contention_fraction(cluster, group)  # the tp communicator's NCCL channels (overlap.nccl_channels)
-        if engine.tp_comm_overlap and config.sp:
+        if engine.tp_comm_overlap and config.sp and engine.tp_overlap_comm_sms_by_op and not shape.num_experts:
+            fwd, bwd, rec = _te_phases_s(engine, cluster, group, hidden_bytes, times, fwd, bwd, rec, skip > 0)
+        elif engine.tp_comm_overlap and config.sp:
             # a phase with a TE margin (userbuffers.margin_phases): the margin-narrowed GEMMs run slower whatever
             # the communication's length; one without: NCCL's channels over the hidden time
             te_fwd, te_bwd = margin_phases(engine) if not shape.num_experts else (False, False)
@@ -223,6 +228,24 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     if layer.role is LayerRole.HEAD:
         return 0.0, comm.all_reduce_s((layer.input_bytes or layer.output_bytes) * scale, group, cluster)
     return 0.0, 0.0
+
+
+def _te_phases_s(engine: Engine, cluster: ClusterSpec, group, hidden_bytes: float, times: ComputeTimes,
+                 fwd: float, bwd: float, rec: float, early_stop: bool) -> tuple[float, float, float]:
+    """A dense block's (forward, backward, recompute) TP seconds under TE userbuffers with
+    engine.tp_overlap_comm_sms_by_op: each phase exposes max(0, comm - GEMMs), pays its margin-narrowed GEMMs'
+    loss (times.margin_*_s, where the phase communicates) and the SMs its margin-free overlaps' communication
+    kernels hold (userbuffers.comm_contention_s: num_sm / num_sms of each one's all-gather or reduce-scatter),
+    of the part the GEMMs hide (min(comm, GEMMs) / comm), in place of NCCL's channels. An early-stopping
+    recompute (`early_stop`: it ends before the MLP output projection) runs no fc2_fprop reduce-scatter."""
+    ag = comm.all_gather_s(hidden_bytes, group, cluster)
+    rs = comm.reduce_scatter_s(hidden_bytes, group, cluster)
+    held_fwd, held_bwd = comm_contention_s(engine, cluster.device.num_sms, ag, rs)
+    held_rec = comm_contention_s(engine, cluster.device.num_sms, ag, rs, ("fc2_fprop",))[0] if early_stop else held_fwd
+    return tuple(max(c - g, 0.0) + ((m + held * min(c, g) / c) if c > 0 else 0.0) for c, g, m, held in
+                 ((fwd, times.gemm_fwd_s, times.margin_fwd_s, held_fwd),
+                  (bwd, times.gemm_bwd_s, times.margin_bwd_s, held_bwd),
+                  (rec, times.gemm_fwd_s, times.margin_fwd_s, held_rec)))
 
 
 def _cp_comm_s(shape: BlockShape | None, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute,

@@ -23,6 +23,19 @@ have no overlap.
 Engine.tp_overlap_margin_sms is TE >= 2.0's get_default_config (module/base.py initialize_ub: num_sm 16,
 set_sm_margin = method != 'ring_exchange') for the six pipeline / bulk overlaps (MARGIN_OPS), the
 ring-exchange ones 0; tp_overlap_margin_sms_by_op replaces it op by op (a run's ub_tp_comm_overlap_cfg).
+
+An overlap WITHOUT a margin (set_sm_margin 0) still runs its communication in SM kernels: TE 1.x
+UbufCommOverlap::bulk_overlap (pytorch/csrc/comm_gemm_overlap.h, the NeMo 24.09 / 2024 containers' generation)
+launches allgather2_userbuff_inplace / reducescatter2_userbuff_inplace on _stream_comm, a grid of
+`_ub_comm->sms = num_comm_sm` CTAs (userbuffers/userbuffers.cu: `int sms = comm->sms; ...
+SETUP_LAUNCH_CONFIG(sms, warps * 32, stream)`), then te_gemm on the
+compute stream with `_math_sms` = every SM; split_overlap_rs does the same chunk by chunk. The two streams run
+concurrently, so for as long as the communication runs its num_sm CTAs hold num_sm SMs the GEMM's tiles cannot
+use: the GEMM loses num_sm / num_sms of its throughput for the communication's duration (comm_contention_s),
+the per-op figure Engine.tp_overlap_comm_sms_by_op gives (the recipe's num_sm), in place of NCCL's channel count
+(cost/overlap.contention_fraction), which prices a collective NCCL runs, not TE's kernels. Not modelled: the
+pipeline reduce-scatter's last chunk runs on UB_MAX_SM (32) SMs after the last GEMM chunk (comm_gemm_overlap.h
+split_overlap_rs `_ub_comm->sms = UB_MAX_SM`), past the GEMM it overlaps.
 """
 
 from __future__ import annotations
@@ -56,6 +69,33 @@ def margin_phases(engine: Engine) -> tuple[bool, bool]:
     margins = op_margins(engine)
     return (any(margins[op] for op in FORWARD_OPS),
             any(n for op, n in margins.items() if op not in FORWARD_OPS))
+
+
+# the overlaps whose communication is a reduce-scatter (pipeline RS of the row-parallel outputs, bulk RS of the
+# column-parallel input gradients); the others all-gather (module/base.py initialize_ub: is_reduce_scatter)
+RS_OPS = ("proj_fprop", "fc2_fprop", "qkv_wgrad", "fc1_wgrad")
+
+
+def comm_contention_s(engine: Engine, num_sms: int, all_gather_s: float, reduce_scatter_s: float,
+                      skip: tuple[str, ...] = ()) -> tuple[float, float]:
+    """(forward, backward) GEMM seconds lost to TE userbuffers' communication kernels beside full-width GEMMs:
+    each op in tp_overlap_comm_sms_by_op without a margin (op_margins 0) holds its num_sm of the num_sms SMs for
+    its collective's duration (reduce_scatter_s for RS_OPS, else all_gather_s), num_sm / num_sms x that. An op
+    with a margin holds none beyond it (its comm runs on the margin SMs margin_extra_s prices); ops in `skip`
+    do not run (an early-stopping recompute's fc2_fprop)."""
+    if num_sms <= 0:
+        return 0.0, 0.0
+    margins = op_margins(engine)
+    forward = backward = 0.0
+    for op, sms in engine.tp_overlap_comm_sms_by_op:
+        if margins[op] > 0 or sms <= 0 or op in skip:
+            continue
+        lost = min(sms / num_sms, 1.0) * (reduce_scatter_s if op in RS_OPS else all_gather_s)
+        if op in FORWARD_OPS:
+            forward += lost
+        else:
+            backward += lost
+    return forward, backward
 
 
 def margin_extra_s(device: DeviceSpec, peak_flops: float, groups: list[Group], n_mlp: int, dtype_bytes: int,

@@ -87,6 +87,8 @@ class Engine:
     tp_overlap_margin_sms: int = 0  # with tp_comm_overlap: SMs TE's userbuffers keep from the GEMMs beside its reduce-scatter / bulk overlaps for their whole run (cost/userbuffers.py); 0: NCCL's channels over the hidden time (cost/overlap.py)
     # --- TE userbuffers' margin per overlap (cost/userbuffers.py) ---
     tp_overlap_margin_sms_by_op: tuple[tuple[str, int], ...] = ()  # with tp_comm_overlap: SMs each named TE userbuffers overlap (TE_UB_OPS, its ub_tp_comm_overlap_cfg key) keeps from its GEMM (num_sm where set_sm_margin, else 0), in place of tp_overlap_margin_sms for that op; a mapping in YAML / replace(), kept as sorted pairs; (): every op as tp_overlap_margin_sms says
+    # --- TE userbuffers' communication SMs per overlap without a margin (cost/userbuffers.py comm_contention_s) ---
+    tp_overlap_comm_sms_by_op: tuple[tuple[str, int], ...] = ()  # with tp_comm_overlap: SMs each named TE userbuffers overlap's communication kernel holds while it runs beside its GEMM on every SM (num_sm of a pipeline / bulk overlap with set_sm_margin off; an op with a margin, or a ring_exchange one on the copy engines, holds none beyond it); same format as tp_overlap_margin_sms_by_op; (): NCCL's channels over the hidden time in a phase without a margin (cost/overlap.py)
     description: str = "autoplan's executor (eager PyTorch, SDPA attention, FSDP2, DTensor TP, torch.distributed.pipelining)"
     block_forward_ops: int = 0  # host-issued ops in one block's forward (0: the captured graph's count)
     block_backward_ops: int = 0  # ... in its backward (0: compute.BACKWARD_OPS_PER_FORWARD_OP x forward)
@@ -208,17 +210,18 @@ class Engine:
     def _check_margin_by_op(self) -> None:
         """tp_overlap_margin_sms_by_op as sorted (op, SMs) pairs (a mapping, or the pairs a JSON list of lists
         comes back as), each op among TE_UB_OPS once, each count a non-negative integer."""
-        given = self.tp_overlap_margin_sms_by_op
-        try:
-            pairs = list(given.items()) if isinstance(given, dict) else [tuple(p) for p in given]
-            ok = all(len(p) == 2 for p in pairs)
-        except TypeError:
-            ok = False
-        if not ok or any(op not in TE_UB_OPS or isinstance(n, bool) or not isinstance(n, int) or n < 0
-                         for op, n in pairs) or len({op for op, _ in pairs}) != len(pairs):
-            raise ValueError(f"engine field 'tp_overlap_margin_sms_by_op' must map TE userbuffers overlaps among "
-                             f"{', '.join(TE_UB_OPS)} (each once) to non-negative SM counts, got {given!r}")
-        object.__setattr__(self, "tp_overlap_margin_sms_by_op", tuple(sorted(pairs)))
+        for name in ("tp_overlap_margin_sms_by_op", "tp_overlap_comm_sms_by_op"):  # and the comm SMs alike
+            given = getattr(self, name)
+            try:
+                pairs = list(given.items()) if isinstance(given, dict) else [tuple(p) for p in given]
+                ok = all(len(p) == 2 for p in pairs)
+            except TypeError:
+                ok = False
+            if not ok or any(op not in TE_UB_OPS or isinstance(n, bool) or not isinstance(n, int) or n < 0
+                             for op, n in pairs) or len({op for op, _ in pairs}) != len(pairs):
+                raise ValueError(f"engine field {name!r} must map TE userbuffers overlaps among "
+                                 f"{', '.join(TE_UB_OPS)} (each once) to non-negative SM counts, got {given!r}")
+            object.__setattr__(self, name, tuple(sorted(pairs)))
 
     def _check_launch_blocking(self) -> None:
         """Under launch_blocking a collective's launch returns only when it has run, so nothing issued from the

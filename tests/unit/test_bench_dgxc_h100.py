@@ -126,3 +126,23 @@ def test_each_tp_overlapped_row_takes_its_margins_from_the_recipe_cfg_it_quotes(
         assert set(by_hand) == {"proj_fprop", "fc2_fprop"}  # the forward reduce-scatters only
         quoted += 1
     assert quoted == 8
+
+
+def test_each_tp_overlapped_row_takes_its_comm_sms_from_the_recipe_cfg_it_quotes():
+    """tp_overlap_comm_sms_by_op is num_sm of each quoted op with method bulk or pipeline and set_sm_margin 0
+    (TE UbufCommOverlap: its kernels on num_sm SMs beside a GEMM on every SM); the ring_exchange ops copy on
+    the copy engines and the margin-taking ops' comm runs on their margin: neither listed."""
+    import re
+
+    quoted = 0
+    for r in _rows():
+        if r["config"]["tp"] == 1:
+            assert "tp_overlap_comm_sms_by_op" not in r.get("engine_overrides", {})
+            continue
+        ops = re.findall(r"(\w+_(?:fprop|dgrad|wgrad)): method (bulk|pipeline), num_sm (\d+), set_sm_margin 0",
+                         r["source"])
+        by_hand = {op: int(sms) for op, _, sms in ops}
+        assert r["engine_overrides"]["tp_overlap_comm_sms_by_op"] == by_hand, r["id"]
+        assert set(by_hand) == {"qkv_dgrad", "qkv_wgrad", "fc1_dgrad", "fc1_wgrad"}
+        quoted += 1
+    assert quoted == 8
