@@ -206,6 +206,12 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
         skip = reduce if engine.recompute_early_stop and not shape.num_experts else 0.0
         rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
         f = contention_fraction(cluster, group)  # the tp communicator's NCCL channels (overlap.nccl_channels)
+        regathers = sp_regathers(shape, config, engine)
+        regather = comm.all_gather_s(hidden_bytes, group, cluster) if regathers else 0.0
+        if not (engine.tp_comm_overlap and config.sp) and not (engine.tp_bwd_overlap and times.wgrad_column_s):
+            bwd += regathers * regather  # on the compute stream, exposed
+        elif engine.tp_comm_overlap and config.sp:
+            bwd += regathers * regather  # one more collective of the backward phase that its GEMMs hide
         if engine.tp_comm_overlap and config.sp and engine.tp_overlap_comm_sms_by_op and not shape.num_experts:
             fwd, bwd, rec = _te_phases_s(engine, cluster, group, hidden_bytes, times, fwd, bwd, rec, skip > 0)
         elif engine.tp_comm_overlap and config.sp:
@@ -221,6 +227,9 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
             # its weight-gradient GEMM; the row-parallel ones' (SP: all-gathers) stay on the compute stream
             grad = comm.reduce_scatter_s(hidden_bytes, group, cluster) if config.sp else one
             bwd = bwd - 2 * grad + sum(max(grad - w, 0.0) + f * min(grad, w) for w in times.wgrad_column_s)
+            # each re-gathered input beside its linear's input-gradient GEMM, which has the weight-gradient
+            # GEMM's FLOPs (dY W against dY^T X): its time is taken as that GEMM's
+            bwd += sum(max(regather - w, 0.0) + f * min(regather, w) for w in times.wgrad_column_s[:regathers])
         return fwd, fwd + bwd + rec
     if layer.role is LayerRole.EMBEDDING:
         one = comm.all_reduce_s(hidden_bytes, group, cluster)
@@ -228,6 +237,24 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     if layer.role is LayerRole.HEAD:
         return 0.0, comm.all_reduce_s((layer.input_bytes or layer.output_bytes) * scale, group, cluster)
     return 0.0, 0.0
+
+
+def sp_regathers(shape: BlockShape, config: ParallelConfig, engine: Engine) -> int:
+    """How many column-parallel linears of a block all-gather their sequence-parallel input AGAIN in backward,
+    for their weight gradient: with SP an engine that saves the input shard (engine.sp_saves_gathered_input
+    false) re-gathers it. Megatron-LM / Megatron-Core (megatron/core/tensor_parallel/layers.py
+    LinearWithGradAccumulationAndAsyncCommunication.backward: `if ctx.sequence_parallel: handle =
+    dist_all_gather_func(all_gather_buffer, input, ..., async_op=True)`, 'we rely on
+    CUDA_DEVICE_MAX_CONNECTIONS=1 to ensure that the gather is scheduled before the input gradient
+    computation', `grad_input = grad_output.matmul(weight)`, then `handle.wait()`) and Transformer Engine's
+    LayerNormLinear (its ln_out re-gathered in backward; under userbuffers the bulk qkv_dgrad / fc1_dgrad
+    all-gathers beside the dgrad GEMM) do it for the QKV projection and the MLP's input projection: 2 in a
+    dense block. A routed-expert block counts only the QKV projection (its experts' inputs come through the
+    token dispatcher, priced in cost/experts.py). 0 without SP, with tp 1, or where the gathered input is kept
+    (DTensor's ColwiseParallel: autoplan's executor, torchtitan)."""
+    if config.tp == 1 or not config.sp or engine.sp_saves_gathered_input:
+        return 0
+    return 1 if shape.num_experts else 2
 
 
 def _te_phases_s(engine: Engine, cluster: ClusterSpec, group, hidden_bytes: float, times: ComputeTimes,
