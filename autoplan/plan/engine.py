@@ -55,6 +55,12 @@ def zero_runs_on(stage: object, zero0_1d_only: bool, *, tp: int = 1, pp: int = 1
     return stage != 0 or not zero0_1d_only or dp * ep * cp == 1 or tp == pp == cp == ep == 1
 
 
+def schedule_name(schedule: object) -> str:
+    """The name a pipeline schedule goes by, lowercased: a Schedule's value or the string given (any case).
+    Engine.schedules, Engine.runs_schedule and the search's engine_schedules (search/space.py) compare these."""
+    return str(getattr(schedule, "value", schedule)).lower()
+
+
 def _stage_list(name: str, stages: object) -> tuple[int, ...]:
     """An engine field listing ZeRO stages (zero_stages, zero_stages_with_pp) as a sorted tuple, or ValueError."""
     if not isinstance(stages, (list, tuple)) or not all(is_zero_stage(z) for z in stages):
@@ -250,7 +256,7 @@ class Engine:
 
         names = tuple(s.value for s in Schedule)
         given = self.schedules
-        values = [str(getattr(v, "value", v)).lower() for v in given] if isinstance(given, (list, tuple)) else None
+        values = [schedule_name(v) for v in given] if isinstance(given, (list, tuple)) else None
         if not values or any(v not in names for v in values) or len(set(values)) != len(values):
             raise ValueError(f"engine field 'schedules' must be a list of distinct pipeline schedules among "
                              f"{', '.join(map(repr, names))}, got {given!r}")
@@ -291,7 +297,7 @@ class Engine:
 
     def runs_schedule(self, schedule: object) -> bool:
         """Whether this engine's pipeline runs `schedule` (a Schedule or its name, among schedules)."""
-        return str(getattr(schedule, "value", schedule)).lower() in self.schedules
+        return schedule_name(schedule) in self.schedules
 
     def check_schedule(self, schedule: object, *, pp: int | None = None) -> None:
         """ValueError, one line, when a pipeline would run `schedule` and this engine does not (runs_schedule):

@@ -18,7 +18,14 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.engine import ZERO_STAGES, Engine, check_zero_stage, is_zero_stage, zero_runs_on
+from autoplan.plan.engine import (
+    ZERO_STAGES,
+    Engine,
+    check_zero_stage,
+    is_zero_stage,
+    schedule_name,
+    zero_runs_on,
+)
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
 from autoplan.search.folding import expert_layouts, with_expert_layouts
 from autoplan.search.hetero import stage_fits_groups
@@ -162,7 +169,7 @@ def engine_schedules(schedules: object, engine: Engine, *, flat: bool = False) -
         return given
     known = {s.value for s in Schedule}
     for s in given:
-        if str(getattr(s, "value", s)).lower() in known:
+        if schedule_name(s) in known:
             engine.check_schedule(s)
     return given
 
