@@ -251,3 +251,14 @@ def test_a_forced_schedule_is_not_refused_where_no_pipeline_runs() -> None:
     with pytest.raises(ValueError) as err:
         engine_search_options({"pp": (1, 2), "schedules": ("zb",)}, lm)
     assert str(err.value) == SCHEDULE_LINE
+
+
+def test_the_loader_reads_schedules_by_the_engines_rule(tmp_path: Path) -> None:
+    # one rule (plan.engine.is_schedule): a name in any case is a schedule, in YAML as in Engine(...)
+    path = tmp_path / "mine.yaml"
+    path.write_text("schema_version: 1\nname: mine\nschedules: [Interleaved, 1F1B]\n")
+    assert Engine.load(path).schedules == Engine(schedules=("Interleaved", "1F1B")).schedules == ("1f1b", "interleaved")
+    path.write_text("schema_version: 1\nname: mine\nschedules: [1f1b, 1F1B]\n")
+    with pytest.raises(ValueError, match="must be a list of distinct pipeline schedules") as err:
+        Engine.load(path)
+    assert str(err.value).startswith(str(path))
