@@ -116,10 +116,10 @@ def engine_search_options(options: dict[str, Any], engine: Engine) -> dict[str, 
     given_pp = () if pp is None else _as_tuple(pp)
     degrees = [p for p in given_pp if isinstance(p, int) and not isinstance(p, bool)]
     pipelined = bool(given_pp) and len(degrees) == len(given_pp) and all(p > 1 for p in degrees)
-    flat = bool(given_pp) and degrees == [1] * len(given_pp)  # no pipeline: no schedule runs (schedule_choices)
+    flat = bool(given_pp) and degrees == [1] * len(given_pp)  # no pipeline: no schedule or zero_with_pp runs
     out = dict(options)
     out["zero"] = engine_zero(options.get("zero"), engine, pipelined=pipelined)
-    out["zero_with_pp"] = engine_zero_with_pp(options.get("zero_with_pp"), out["zero"], engine)
+    out["zero_with_pp"] = engine_zero_with_pp(options.get("zero_with_pp"), out["zero"], engine, flat=flat)
     out["zero0_1d_only"] = bool(options.get("zero0_1d_only", False)) or engine.zero0_1d_only
     out["schedules"] = engine_schedules(options.get("schedules"), engine, flat=flat)
     return out
@@ -139,14 +139,17 @@ def engine_zero(zero: object, engine: Engine, *, pipelined: bool = False) -> tup
     return given
 
 
-def engine_zero_with_pp(zero_with_pp: object, zero: tuple, engine: Engine) -> tuple | None:
+def engine_zero_with_pp(zero_with_pp: object, zero: tuple, engine: Engine, *, flat: bool = False) -> tuple | None:
     """The ZeRO stages to search where pp > 1: those of `zero` the engine runs with a pipeline (Engine.runs_zero
     at pp > 1) when the caller gave none, else the caller's, each checked against them (one line naming
-    zero_with_pp, the option the caller set: Engine.check_zero's would point at --zero). Values that are not
-    stages at all are left to SearchOptions' own message."""
+    zero_with_pp, the option the caller set: Engine.check_zero's would point at --zero), unless the search is
+    `flat` (every pp the caller allows is 1: no pipeline runs, so zero_with_pp has no effect, as
+    engine_schedules has it). Values that are not stages at all are left to SearchOptions' own message."""
     if zero_with_pp is None:
         return tuple(z for z in zero if engine.runs_zero(z, pp=2))
     given = _as_tuple(zero_with_pp)
+    if flat:
+        return given
     runs = ", ".join(map(str, engine.zero_stages_at(2)))
     for z in given:
         if is_zero_stage(z) and not engine.runs_zero(z, pp=2):
