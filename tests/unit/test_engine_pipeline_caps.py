@@ -157,6 +157,15 @@ def test_autoplan_engines_shows_the_pipeline_columns(capsys) -> None:
     assert rows["deepspeed"][2:] == ["0,1,2,3", "0,1", "1f1b"]
 
 
+def test_autoplan_engines_shows_zero0_1d_only(capsys) -> None:
+    # torchtitan alone refuses DDP beside another dimension (engines/torchtitan.yaml's zero0_1d_only)
+    assert main(["engines"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-4:] == ["zero", "0", "alone", "description"]
+    alone = {line.split()[0]: line.split()[8] for line in lines[1:]}
+    assert alone == {name: "true" if name == "torchtitan" else "false" for name in Engine.names()}
+
+
 @pytest.mark.parametrize("text, message", [
     ("schedules: 1f1b", "field 'schedules' must be a YAML list of pipeline schedules"),
     ("schedules: []", "field 'schedules' must be a YAML list of pipeline schedules"),
