@@ -304,10 +304,11 @@ def cmd_engines(args: argparse.Namespace) -> int:
     from autoplan.plan.engine import Engine
 
     print(f"{'name':<18} {'attention':<9} {'zero':<7} {'zero pp>1':<9} {'schedules (pp>1)':<26} {'zero3':<9} "
-          f"{'tp overlap':<10} {'dp overlap':<10} description")
+          f"{'tp overlap':<10} {'dp overlap':<10} {'zero 0 alone':<12} description")
     for name in Engine.names():
         e = Engine.load(name)
         print(f"{name:<18} {e.attention:<9} {','.join(map(str, e.zero_stages)):<7} "
               f"{','.join(map(str, e.zero_stages_at(2))):<9} {','.join(e.schedules):<26} {e.zero3:<9} "
-              f"{str(e.tp_comm_overlap).lower():<10} {str(e.dp_comm_overlap).lower():<10} {e.description}")
+              f"{str(e.tp_comm_overlap).lower():<10} {str(e.dp_comm_overlap).lower():<10} "
+              f"{str(e.zero0_1d_only).lower():<12} {e.description}")
     return 0

@@ -23,9 +23,10 @@ from autoplan.plan.engine import (
     SELECTIVE_KINDS,
     ZERO3_KINDS,
     Engine,
+    is_schedule,
     is_zero_stage,
+    schedule_names,
 )
-from autoplan.plan.types import Schedule
 
 SCHEMA_VERSION = 1
 _CHOICES = {"attention": ATTENTION_KINDS, "zero3": ZERO3_KINDS, "zero3_grad_reduction": GRAD_REDUCTIONS,
@@ -89,12 +90,14 @@ def _value(key: str, value: Any, path: str) -> Any:
 
 
 def _schedules(key: str, value: Any, path: str) -> tuple[str, ...]:
-    names = tuple(s.value for s in Schedule)
+    """A YAML list of schedules, each item refused by name with a suggestion where it is no schedule
+    (plan.engine.is_schedule, the Engine's own rule); order and duplicates are the Engine's to check."""
+    names = schedule_names()
     if not isinstance(value, list) or not value:
         raise ValueError(f"{path}: field {key!r} must be a YAML list of pipeline schedules among "
                          f"{', '.join(map(repr, names))} (e.g. [1f1b, interleaved]), got {value!r}")
     for v in value:
-        if str(v) not in names:
+        if not is_schedule(v):
             raise ValueError(f"{path}: field {key!r}: unknown pipeline schedule {v!r}: choose among "
                              f"{', '.join(map(repr, names))}{_suggest(str(v), names)}")
     return tuple(str(v) for v in value)

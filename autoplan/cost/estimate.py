@@ -129,23 +129,53 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     if not overlap_dp and engine.dp_comm_overlap:
         engine = dataclasses.replace(engine, dp_comm_overlap=False)
     m = check_config(graph, cluster, config, global_batch, explicit_stages=stages is not None)
-    p, v = config.pp, config.virtual_stages
+    p = config.pp
     views = rank_clusters(cluster, config)  # each pipeline rank's own node group when heterogeneous
     stages = (default_split(graph, cluster, config, global_batch) if stages is None
-              else check_stages(graph, stages, p * v))
+              else check_stages(graph, stages, p * config.virtual_stages))
     placement = stage_ranks(config)  # the executor places stages with the same function
     layout = zero_layout(config, m, zero3=engine.zero3, pipelined_fsdp_defers_sync=engine.pipelined_fsdp_defers_sync,
                          zero1_all_reduce=engine.zero1_all_reduces(cluster.dtype))
+    env_of = _stage_envs(graph, views, config, layer_recompute, engine, fresh_grad_share(
+        layout.reduce_every_microbatch, m, engine, cluster.dtype))
+    ranks = [Rank(index=k) for k in range(p)]
+    _place_stages(ranks, graph, stages, placement, env_of, cluster, config, engine)
+    deepspeed = config.zero == 3 and engine.zero3 == "deepspeed" and env_of[0].groups.dense.size > 1
+    for rank, env in zip(ranks, env_of):
+        if deepspeed:
+            deepspeed_rank(rank, graph, env.view, config, engine, env.groups)
+        else:
+            rank_dp_times(rank, env.view, config, layout, engine, env.groups)
+    step, breakdown = _step_s(ranks, env_of, graph, config, layout, engine, placement,
+                              _pipeline_s(ranks, cluster, config, m), m)
+    memories = [rank_memory(r, k, env_of[k].view, config, m, layout=layout, engine=engine, groups=env_of[k].groups,
+                            deepspeed=deepspeed, graph=graph) for k, r in enumerate(ranks)]
+    # the most loaded rank against its own device (the same device everywhere when homogeneous)
+    k_peak = max(range(p), key=lambda k: memories[k].total_bytes / views[k].device.mem_bytes)
+    return _estimate(graph, cluster, config, global_batch, layer_recompute, step, breakdown, memories[k_peak],
+                     views[k_peak].device.mem_bytes)
+
+
+def _stage_envs(graph: LayerGraph, views: list[ClusterSpec], config: ParallelConfig,
+                layer_recompute: Mapping[str, Recompute] | None, engine: Engine, share: float
+                ) -> list[StageEnv]:
+    """Each pipeline rank's StageEnv (its node group's layer costs, the `share` of fresh gradients taken off
+    them: with_fresh_grads; its data-parallel groups; whether its pipeline hops cross nodes), built once per
+    distinct view (rank_clusters: one shared view when homogeneous)."""
     envs: dict[int, StageEnv] = {}
     for view in views:
         if id(view) not in envs:
-            costs = with_fresh_grads(_layer_costs(graph, view, config, layer_recompute, engine),
-                                     fresh_grad_share(layout.reduce_every_microbatch, m, engine, cluster.dtype))
+            costs = with_fresh_grads(_layer_costs(graph, view, config, layer_recompute, engine), share)
             envs[id(view)] = StageEnv(view=view, costs=costs,
                                   groups=dp_groups(config, view),
                                   pp_cross=comm.group_placement(config, ("pp",), view.devices_per_node).crosses_nodes)
-    env_of = [envs[id(view)] for view in views]
-    ranks = [Rank(index=k) for k in range(p)]
+    return [envs[id(view)] for view in views]
+
+
+def _place_stages(ranks: list[Rank], graph: LayerGraph, stages: tuple[tuple[str, ...], ...], placement: list[int],
+                  env_of: list[StageEnv], cluster: ClusterSpec, config: ParallelConfig, engine: Engine) -> None:
+    """Each stage's layers onto its rank (add_layers) and each cut between ranks' p2p hop (add_hop; with the
+    chunks' slots where the engine overlaps its p2p)."""
     by_name = {layer.name: layer for layer in graph.layers}
     overlapped = p2p_overlapped(engine, config.schedule, config.virtual_stages)
     for i, names in enumerate(stages):
@@ -156,20 +186,14 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
                      if overlapped else (0.0, 0.0))  # read by add_hop only where the p2p is overlapped
             add_hop(ranks, placement[i], placement[i + 1], env_of, sender[names[-1]].output_bytes, cluster, config,
                     engine, slots)
-    deepspeed = config.zero == 3 and engine.zero3 == "deepspeed" and env_of[0].groups.dense.size > 1
-    for rank, env in zip(ranks, env_of):
-        if deepspeed:
-            deepspeed_rank(rank, graph, env.view, config, engine, env.groups)
-        else:
-            rank_dp_times(rank, env.view, config, layout, engine, env.groups)
-    pipe = pipeline_time_s(config.schedule, p, v, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
-                           [r.weight for r in ranks], [r.steady for r in ranks])
-    if cluster.device.cpu_cores and p > 1:  # CPU ranks sharing cores: a waiting pipeline rank frees its share
-        pipe = shared_cores_pipeline_time_s(config, m, [r.fwd + r.steady for r in ranks], [r.bwd for r in ranks],
-                                            [r.weight for r in ranks], cores=cluster.device.cpu_cores,
-                                            ranks=cluster.devices_per_node,
-                                            oversubscribed=cluster.device.cpu_oversubscribed_efficiency)
-    offsets = [sum(r.bwd for r in ranks[:k]) for k in range(p)]
+
+
+def _step_s(ranks: list[Rank], env_of: list[StageEnv], graph: LayerGraph, config: ParallelConfig, layout: Any,
+            engine: Engine, placement: list[int], pipe: float, m: int) -> tuple[float, Breakdown]:
+    """(step seconds, breakdown): the pipeline time `pipe`, the exposed once-per-step gradient reduction (with
+    the tied head's all-reduce: step_tail_s) and weight all-gather, at least the reduce stream's floor, then
+    the optimizer step."""
+    offsets = [sum(r.bwd for r in ranks[:k]) for k in range(config.pp)]
     tied = (tied_grad_reduce_s(graph, config, env_of[placement[-1]].view, engine, env_of[0].pp_cross)
             if placement[-1] != placement[0] else 0.0)
     dp_tail = step_tail_s([r.dp_tail for r in ranks], offsets, placement[-1], tied, engine.tied_reduce_before_dp)
@@ -178,17 +202,31 @@ def estimate_config(graph: LayerGraph, cluster: ClusterSpec, config: ParallelCon
     head = pipe + dp_tail + param_gather
     floor = float(_reduce_floor(ranks, config, m))
     step = max(head, floor) + optimizer
-    breakdown = _breakdown(ranks, m, pipe, dp_tail + param_gather + max(floor - head, 0.0), optimizer)
-    memories = [rank_memory(r, k, env_of[k].view, config, m, layout=layout, engine=engine, groups=env_of[k].groups,
-                            deepspeed=deepspeed, graph=graph) for k, r in enumerate(ranks)]
-    # the most loaded rank against its own device (the same device everywhere when homogeneous)
-    k_peak = max(range(p), key=lambda k: memories[k].total_bytes / views[k].device.mem_bytes)
-    peak, capacity = memories[k_peak], views[k_peak].device.mem_bytes
+    return step, _breakdown(ranks, m, pipe, dp_tail + param_gather + max(floor - head, 0.0), optimizer)
+
+
+def _pipeline_s(ranks: list[Rank], cluster: ClusterSpec, config: ParallelConfig, m: int) -> float:
+    """The schedule's time over the ranks' slots (pipeline_time_s); CPU ranks sharing cores: a waiting
+    pipeline rank frees its share (shared_cores_pipeline_time_s)."""
+    p, v = config.pp, config.virtual_stages
+    pipe = pipeline_time_s(config.schedule, p, v, m, [r.fwd for r in ranks], [r.bwd for r in ranks],
+                           [r.weight for r in ranks], [r.steady for r in ranks])
+    if cluster.device.cpu_cores and p > 1:
+        pipe = shared_cores_pipeline_time_s(config, m, [r.fwd + r.steady for r in ranks], [r.bwd for r in ranks],
+                                            [r.weight for r in ranks], cores=cluster.device.cpu_cores,
+                                            ranks=cluster.devices_per_node,
+                                            oversubscribed=cluster.device.cpu_oversubscribed_efficiency)
+    return pipe
+
+
+def _estimate(graph: LayerGraph, cluster: ClusterSpec, config: ParallelConfig, global_batch: int,
+              layer_recompute: Mapping[str, Recompute] | None, step: float, breakdown: Breakdown, peak: Any,
+              capacity: float) -> Estimate:
+    """The Estimate of a step of `step` seconds: throughput, MFU over the cluster's peak, the peak rank's memory."""
     model_flops, hardware_flops = _flops(graph, config, global_batch, layer_recompute)
-    peak_flops = cluster.total_peak_flops
     return Estimate(
         step_time_s=step, tokens_per_s=global_batch * graph.seq_len / step,
-        mfu=model_flops / (step * peak_flops), peak_mem_bytes=peak.total_bytes,
+        mfu=model_flops / (step * cluster.total_peak_flops), peak_mem_bytes=peak.total_bytes,
         mem_capacity_bytes=capacity, fits=peak.total_bytes <= capacity,
         breakdown=breakdown, memory=peak, model_flops=model_flops, hardware_flops=hardware_flops,
     )

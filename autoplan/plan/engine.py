@@ -55,6 +55,25 @@ def zero_runs_on(stage: object, zero0_1d_only: bool, *, tp: int = 1, pp: int = 1
     return stage != 0 or not zero0_1d_only or dp * ep * cp == 1 or tp == pp == cp == ep == 1
 
 
+def schedule_name(schedule: object) -> str:
+    """The name a pipeline schedule goes by, lowercased: a Schedule's value or the string given (any case).
+    Engine.schedules, Engine.runs_schedule and the search's engine_schedules (search/space.py) compare these."""
+    return str(getattr(schedule, "value", schedule)).lower()
+
+
+def schedule_names() -> tuple[str, ...]:
+    """ParallelConfig.schedule's names, in Schedule's order (read when called: plan.types imports this module)."""
+    from autoplan.plan.types import Schedule
+
+    return tuple(s.value for s in Schedule)
+
+
+def is_schedule(value: object) -> bool:
+    """Whether `value` names a pipeline schedule (schedule_name among schedule_names, any case): the one test
+    behind Engine.schedules and an engine YAML's list (cluster/engines.py, which names the item it refuses)."""
+    return schedule_name(value) in schedule_names()
+
+
 def _stage_list(name: str, stages: object) -> tuple[int, ...]:
     """An engine field listing ZeRO stages (zero_stages, zero_stages_with_pp) as a sorted tuple, or ValueError."""
     if not isinstance(stages, (list, tuple)) or not all(is_zero_stage(z) for z in stages):
@@ -247,14 +266,11 @@ class Engine:
         object.__setattr__(self, "zero_stages_with_pp", with_pp)
 
     def _check_schedules(self) -> None:
-        """schedules as a tuple in Schedule's order of distinct schedule names (a JSON list comes back as one).
-        Schedule is read when an Engine is built: plan.types imports this module."""
-        from autoplan.plan.types import Schedule
-
-        names = tuple(s.value for s in Schedule)
-        given = self.schedules
-        values = [str(getattr(v, "value", v)).lower() for v in given] if isinstance(given, (list, tuple)) else None
-        if not values or any(v not in names for v in values) or len(set(values)) != len(values):
+        """schedules as a tuple in Schedule's order of distinct schedule names (is_schedule; a JSON list comes
+        back as one)."""
+        names, given = schedule_names(), self.schedules
+        values = [schedule_name(v) for v in given] if isinstance(given, (list, tuple)) else None
+        if not values or not all(map(is_schedule, values)) or len(set(values)) != len(values):
             raise ValueError(f"engine field 'schedules' must be a list of distinct pipeline schedules among "
                              f"{', '.join(map(repr, names))}, got {given!r}")
         object.__setattr__(self, "schedules", tuple(n for n in names if n in values))
@@ -294,7 +310,7 @@ class Engine:
 
     def runs_schedule(self, schedule: object) -> bool:
         """Whether this engine's pipeline runs `schedule` (a Schedule or its name, among schedules)."""
-        return str(getattr(schedule, "value", schedule)).lower() in self.schedules
+        return schedule_name(schedule) in self.schedules
 
     def check_schedule(self, schedule: object, *, pp: int | None = None) -> None:
         """ValueError, one line, when a pipeline would run `schedule` and this engine does not (runs_schedule):

@@ -13,7 +13,7 @@ search/collectives.py, DeepSpeed's stage 3 by search/deepspeed_terms.py.
 from __future__ import annotations
 
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -112,7 +112,6 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
         cut = f["fresh"] * share
         f = {**f, "time": f["time"] - cut, "bwd_weight": f["bwd_weight"] - cut}
     sizes = mesh_sizes(c, pricing)
-    dense_axes, expert_axes = DENSE_DP, EXPERT_DP
     w, g, o = state_bytes_per_param(cluster.dtype, engine)
     wire, dp_wire = grad_wire_bytes(cluster.dtype, engine), dp_wire_bytes(cluster.dtype, engine)
     layers = np.maximum(layers_per_rank, 1)[None, :].astype(float)
@@ -124,24 +123,64 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     root = quick_root(extra, dense, layers, v, engine)
     units_l, own = (layers, dense) if root is None else (root.units, root.dense)
     fwd_u, bwd_u = (fwd, bwd) if root is None else (fwd - root.fwd, bwd - root.bwd)  # the units' compute
+    col = _dp_collectives(root, units_l, own, expert, sizes, lay, cluster, engine, w, dp_wire)
+    copy_out, copy_out_b, copy_in, ddp = _grad_passes(root, dense, expert, lay, c, cluster, engine, w, wire)
+    z3_fwd, dp_b, units = _dp_backward(fwd_u, bwd_u, units_l, own + expert, col, root, lay, engine, copy_out,
+                                       copy_out_b, copy_in)
+    dp_b, async_tail, floor = _async_reduce(f, extra, p2p, fwd, bwd, dp_b, copy_in, col, lay, sizes, cluster, engine)
+    deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
+    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, col.dense_frac,
+                            extra)
+    x = f["time"] + hops + dp_f + dp_b
+    peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
+    tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
+    chunked, step_gather = chunk_terms(extra, col.rs_or_ar, layers, sizes, lay, dp_wire, w, cluster, engine, share,
+                                       col.frac, pp, v)
+    once = [_step_tail(fwd, bwd + dp_b, col.reduce, col.gather, copy_out, units_l, units, lay, engine, col.frac,
+                       sizes, dense, expert, dp_wire, w, cluster, copy_in + ddp, async_tail, tied,
+                       int(extra.get("last_rank", pp - 1)),
+                       None if root is None else (col.first, fwd_u, bwd_u + dp_b, col.root_fwd), chunked,
+                       step_gather),
+            _optimizer(f, c, lay, cluster, engine)]
+    if "ds_layer_ops" in extra:  # cost.deepspeedrank.deepspeed_step_s, once per step
+        once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, DENSE_DP, w, cluster, engine), 0.0))
+    states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
+    return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve,
+                  floor=floor)
 
-    # a rank's layers' collectives: per class of the mesh when its candidates share their parameters (a class
-    # of quick_estimate's is a layer-table key), spread to the candidates, else per candidate
+
+class _Collectives(NamedTuple):
+    """A rank's data-parallel collectives per [candidate, rank] (_dp_collectives)."""
+
+    gather: np.ndarray  # its units' weight all-gathers, dense + expert
+    rs_or_ar: np.ndarray  # their gradient reduce-scatters or all-reduces, by the layout
+    first: Any  # None, or the FSDP2 root group's (forward gather, backward gather, reduction): RootSeconds
+    frac: np.ndarray  # dp_fractions' mixed contention fraction
+    dense_frac: np.ndarray  # ... and the dense group's own
+    reduce: np.ndarray  # the bucketed reductions (_bucketed_reduce)
+    reduce_all: np.ndarray  # ... with the root's after the rank's last backward
+    root_fwd: Any  # the root's forward gather less what the layers before the first block hide (0.0: no root)
+
+
+def _dp_collectives(root, units_l, own, expert, sizes, lay, cluster, engine, w, dp_wire) -> _Collectives:
+    """A rank's layers' collectives: per class of the mesh when its candidates share their parameters (a class
+    of quick_estimate's is a layer-table key), spread to the candidates, else per candidate; the root group's
+    whole (rootunit.root_seconds) and the contention fractions they run under."""
     by_class = (own[sizes.reps], expert[sizes.reps]) if sizes.uniform(own, expert) else None
 
     def per_layer(kind: str, elem_bytes: float) -> tuple[np.ndarray, np.ndarray]:
         if by_class is None:
             return tuple(collective_s(kind, sizes, axes, params / units_l * elem_bytes, cluster) * units_l
-                         for axes, params in ((dense_axes, own), (expert_axes, expert)))
+                         for axes, params in ((DENSE_DP, own), (EXPERT_DP, expert)))
         return tuple((collective_s(kind, sizes, axes, params / units_l * elem_bytes, cluster, per_class=True)
-                      * units_l)[sizes.inverse] for axes, params in zip((dense_axes, expert_axes), by_class))
+                      * units_l)[sizes.inverse] for axes, params in zip((DENSE_DP, EXPERT_DP), by_class))
 
     gather_d, gather_e = per_layer("ag", w)
     red_d, red_e = (by_layout(lay, rs, ar) for rs, ar in zip(per_layer("rs", dp_wire), per_layer("ar", dp_wire)))
     gather, rs_or_ar = gather_d + gather_e, red_d + red_e
     first = None if root is None else root_seconds(  # the root's forward gather, backward gather, reduction
-        root, lambda n: collective_s("ag", sizes, dense_axes, n * w, cluster),
-        lambda n: reduce_s(sizes, dense_axes, n * dp_wire, cluster, lay))
+        root, lambda n: collective_s("ag", sizes, DENSE_DP, n * w, cluster),
+        lambda n: reduce_s(sizes, DENSE_DP, n * dp_wire, cluster, lay))
     dense_s = gather_d + red_d
     dense_s = dense_s if first is None else dense_s + first.fwd + first.reduce
     frac, dense_frac = dp_fractions(sizes, cluster, dense_s, gather_e + red_e)
@@ -151,6 +190,12 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
     # embedding) hide
     root_fwd = 0.0 if root is None else first.fwd - root.first_hidden(gather, root.lead_fwd, frac,
                                                                        engine.param_gather_overlap)
+    return _Collectives(gather, rs_or_ar, first, frac, dense_frac, reduce, reduce_all, root_fwd)
+
+
+def _grad_passes(root, dense, expert, lay, c, cluster, engine, w, wire) -> tuple[Any, Any, Any, Any]:
+    """The memory passes around the collectives: FSDP2's copy-out of the gathered weights (forward, and the
+    backward's, the root group's own where it keeps them), its copy-in of the gradients, the DDP's passes."""
     copy_out = memory_time_s(cluster.device, 2.0 * w * (dense + expert)) if engine.gather_copy_out else 0.0 * dense
     copy_out_b = (copy_out if root is None or not engine.gather_copy_out
                   else memory_time_s(cluster.device, 2.0 * w * root.bwd_gathered(expert)))
@@ -165,53 +210,50 @@ def assemble_shared(f: dict[str, np.ndarray], layers_per_rank: np.ndarray, extra
         per = grad_buffer_pass_bytes(cluster.dtype, engine, (c["dp"] * c["ep"])[:, None])
         ddp = ddp + np.where(lay["reduce_every_microbatch"][:, None] == 0,
                              memory_time_s(cluster.device, per * (dense + expert)), 0.0)
+    return copy_out, copy_out_b, copy_in, ddp
+
+
+def _dp_backward(fwd_u, bwd_u, units_l, params, col, root, lay, engine, copy_out, copy_out_b, copy_in):
+    """(ZeRO-3's exposed forward gathers, the exposed per-microbatch backward gathers and reductions, the
+    reductions' unit count): the closed form over the rank's units (`params` their dense + expert parameters)."""
     gmb = lay["weight_gathers_per_microbatch"][:, None]
     every = lay["reduce_every_microbatch"][:, None] > 0
-    z3_fwd = np.where(gmb >= 2, exposed(fwd_u, gather, None, units_l, engine.param_gather_overlap, True, frac)
-                      + copy_out + root_fwd, 0.0)
-    pre_b = np.where(gmb >= 1, gather, 0.0)
-    post_b = np.where(every, reduce, 0.0)
+    z3_fwd = np.where(gmb >= 2, exposed(fwd_u, col.gather, None, units_l, engine.param_gather_overlap, True, col.frac)
+                      + copy_out + col.root_fwd, 0.0)
+    pre_b = np.where(gmb >= 1, col.gather, 0.0)
+    post_b = np.where(every, col.reduce, 0.0)
     # reductions alone run one collective per filled bucket (at most one per layer, dataparallel._bucketed),
     # each hidden by the backward after it: the closed form over that many equal units; with per-layer
     # gathers beside them, over the layers
-    units = np.minimum(_bucket_count(own + expert, units_l, engine.dp_bucket_numel), units_l)
+    units = np.minimum(_bucket_count(params, units_l, engine.dp_bucket_numel), units_l)
     dp_b = exposed(bwd_u, pre_b, post_b, np.where(gmb >= 1, units_l, units), engine.param_gather_overlap,
-                    engine.dp_comm_overlap, frac)
+                   engine.dp_comm_overlap, col.frac)
     if root is not None:  # the kept block's gather (the one the closed form exposes) or the head's backward
         # hiding it, the root's collectives
-        tail = root.first_hidden(pre_b, root.tail_bwd, frac, engine.param_gather_overlap)
-        dp_b = (dp_b - root.kept * pre_b / units_l - (1.0 - root.kept) * tail + np.where(gmb >= 1, first.bwd, 0.0)
-                + np.where(every, first.reduce, 0.0))
+        tail = root.first_hidden(pre_b, root.tail_bwd, col.frac, engine.param_gather_overlap)
+        dp_b = (dp_b - root.kept * pre_b / units_l - (1.0 - root.kept) * tail + np.where(gmb >= 1, col.first.bwd, 0.0)
+                + np.where(every, col.first.reduce, 0.0))
     dp_b = np.where((gmb >= 1) | every,
                     dp_b + np.where(gmb >= 1, copy_out_b, 0.0) + np.where(every, copy_in, 0.0), 0.0)
-    # cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute
+    return z3_fwd, dp_b, units
+
+
+def _async_reduce(f, extra, p2p, fwd, bwd, dp_b, copy_in, col, lay, sizes, cluster, engine):
+    """cost.dataparallel.async_reduce_s: ZeRO-2's reductions beside this and the next microbatches' compute:
+    (the per-microbatch backward's dp seconds, the last microbatch's wait, the reduce stream floor's per-rank
+    terms or None where no candidate reduces asynchronously)."""
+    gmb = lay["weight_gathers_per_microbatch"][:, None]
+    every = lay["reduce_every_microbatch"][:, None] > 0
     asyn = every & (gmb == 0) & engine.grad_reduce_async & engine.dp_comm_overlap
-    per_mb = np.maximum(reduce_all - f["time"], 0.0) + frac * np.minimum(reduce_all, f["time"])
-    shared, stream = (nic_shared(reduce_all, f, extra, p2p, cluster, sizes) if np.any(asyn)
+    per_mb = np.maximum(col.reduce_all - f["time"], 0.0) + col.frac * np.minimum(col.reduce_all, f["time"])
+    shared, stream = (nic_shared(col.reduce_all, f, extra, p2p, cluster, sizes) if np.any(asyn)
                       else (0.0, 0.0))  # cost.pipeline.nic_shared_reduce_s
     async_tail = np.where(asyn, np.maximum(dp_b - copy_in - per_mb, 0.0), 0.0)  # the last one waits
     dp_b = np.where(asyn, per_mb + shared + copy_in, dp_b)
     # cost.pipeline.reduce_stream_floor_s's per-rank terms (layers' forward, backward, its weight part, the
     # asynchronous reductions), where any candidate reduces asynchronously
-    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, reduce_all + stream, 0.0)) if np.any(asyn) else None)
-    deepspeed = (c["zero"] == 3) & (engine.zero3 == "deepspeed")
-    dp_f, dp_b = _deepspeed(z3_fwd, dp_b, deepspeed, f, layers, sizes, c, cluster, engine, w, wire, dense_frac,
-                            extra)
-    x = f["time"] + hops + dp_f + dp_b
-    peak, bubble, bubble_zb = shared_pipeline(x, f["bwd_weight"], steady, v)
-    tied = tied_reduce(extra, c, cluster, sizes, wire, pp)
-    chunked, step_gather = chunk_terms(extra, rs_or_ar, layers, sizes, lay, dp_wire, w, cluster, engine, share, frac,
-                                       pp, v)
-    once = [_step_tail(fwd, bwd + dp_b, reduce, gather, copy_out, units_l, units, lay, engine, frac, sizes,
-                       dense, expert, dp_wire, w, cluster, copy_in + ddp, async_tail, tied,
-                       int(extra.get("last_rank", pp - 1)),
-                       None if root is None else (first, fwd_u, bwd_u + dp_b, root_fwd), chunked, step_gather),
-            _optimizer(f, c, lay, cluster, engine)]
-    if "ds_layer_ops" in extra:  # cost.deepspeedrank.deepspeed_step_s, once per step
-        once.append(np.where(deepspeed, _deepspeed_step(extra, layers, sizes, dense_axes, w, cluster, engine), 0.0))
-    states, reserve = _memory(f, extra, c, lay, cluster, engine, w, g, o, wire, deepspeed, sizes)
-    return Shared(peak=peak, bubble=bubble, bubble_zb=bubble_zb, once=tuple(once), states=states, reserve=reserve,
-                  floor=floor)
+    floor = ((fwd, bwd, f["bwd_weight"], np.where(asyn, col.reduce_all + stream, 0.0)) if np.any(asyn) else None)
+    return dp_b, async_tail, floor
 
 
 def dp_fractions(sizes: Mesh, cluster: ClusterSpec, dense_s: np.ndarray, expert_s: np.ndarray

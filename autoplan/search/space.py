@@ -18,7 +18,14 @@ import numpy as np
 
 from autoplan.cluster.types import ClusterSpec
 from autoplan.graph.types import LayerGraph
-from autoplan.plan.engine import ZERO_STAGES, Engine, check_zero_stage, is_zero_stage, zero_runs_on
+from autoplan.plan.engine import (
+    ZERO_STAGES,
+    Engine,
+    check_zero_stage,
+    is_zero_stage,
+    schedule_name,
+    zero_runs_on,
+)
 from autoplan.plan.types import ParallelConfig, Recompute, Schedule
 from autoplan.search.folding import expert_layouts, with_expert_layouts
 from autoplan.search.hetero import stage_fits_groups
@@ -109,10 +116,10 @@ def engine_search_options(options: dict[str, Any], engine: Engine) -> dict[str, 
     given_pp = () if pp is None else _as_tuple(pp)
     degrees = [p for p in given_pp if isinstance(p, int) and not isinstance(p, bool)]
     pipelined = bool(given_pp) and len(degrees) == len(given_pp) and all(p > 1 for p in degrees)
-    flat = bool(given_pp) and degrees == [1] * len(given_pp)  # no pipeline: no schedule runs (schedule_choices)
+    flat = bool(given_pp) and degrees == [1] * len(given_pp)  # no pipeline: no schedule or zero_with_pp runs
     out = dict(options)
     out["zero"] = engine_zero(options.get("zero"), engine, pipelined=pipelined)
-    out["zero_with_pp"] = engine_zero_with_pp(options.get("zero_with_pp"), out["zero"], engine)
+    out["zero_with_pp"] = engine_zero_with_pp(options.get("zero_with_pp"), out["zero"], engine, flat=flat)
     out["zero0_1d_only"] = bool(options.get("zero0_1d_only", False)) or engine.zero0_1d_only
     out["schedules"] = engine_schedules(options.get("schedules"), engine, flat=flat)
     return out
@@ -132,14 +139,17 @@ def engine_zero(zero: object, engine: Engine, *, pipelined: bool = False) -> tup
     return given
 
 
-def engine_zero_with_pp(zero_with_pp: object, zero: tuple, engine: Engine) -> tuple | None:
+def engine_zero_with_pp(zero_with_pp: object, zero: tuple, engine: Engine, *, flat: bool = False) -> tuple | None:
     """The ZeRO stages to search where pp > 1: those of `zero` the engine runs with a pipeline (Engine.runs_zero
     at pp > 1) when the caller gave none, else the caller's, each checked against them (one line naming
-    zero_with_pp, the option the caller set: Engine.check_zero's would point at --zero). Values that are not
-    stages at all are left to SearchOptions' own message."""
+    zero_with_pp, the option the caller set: Engine.check_zero's would point at --zero), unless the search is
+    `flat` (every pp the caller allows is 1: no pipeline runs, so zero_with_pp has no effect, as
+    engine_schedules has it). Values that are not stages at all are left to SearchOptions' own message."""
     if zero_with_pp is None:
         return tuple(z for z in zero if engine.runs_zero(z, pp=2))
     given = _as_tuple(zero_with_pp)
+    if flat:
+        return given
     runs = ", ".join(map(str, engine.zero_stages_at(2)))
     for z in given:
         if is_zero_stage(z) and not engine.runs_zero(z, pp=2):
@@ -162,7 +172,7 @@ def engine_schedules(schedules: object, engine: Engine, *, flat: bool = False) -
         return given
     known = {s.value for s in Schedule}
     for s in given:
-        if str(getattr(s, "value", s)).lower() in known:
+        if schedule_name(s) in known:
             engine.check_schedule(s)
     return given
 

@@ -157,6 +157,15 @@ def test_autoplan_engines_shows_the_pipeline_columns(capsys) -> None:
     assert rows["deepspeed"][2:] == ["0,1,2,3", "0,1", "1f1b"]
 
 
+def test_autoplan_engines_shows_zero0_1d_only(capsys) -> None:
+    # torchtitan alone refuses DDP beside another dimension (engines/torchtitan.yaml's zero0_1d_only)
+    assert main(["engines"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-4:] == ["zero", "0", "alone", "description"]
+    alone = {line.split()[0]: line.split()[8] for line in lines[1:]}
+    assert alone == {name: "true" if name == "torchtitan" else "false" for name in Engine.names()}
+
+
 @pytest.mark.parametrize("text, message", [
     ("schedules: 1f1b", "field 'schedules' must be a YAML list of pipeline schedules"),
     ("schedules: []", "field 'schedules' must be a YAML list of pipeline schedules"),
@@ -251,3 +260,30 @@ def test_a_forced_schedule_is_not_refused_where_no_pipeline_runs() -> None:
     with pytest.raises(ValueError) as err:
         engine_search_options({"pp": (1, 2), "schedules": ("zb",)}, lm)
     assert str(err.value) == SCHEDULE_LINE
+
+
+def test_the_loader_reads_schedules_by_the_engines_rule(tmp_path: Path) -> None:
+    # one rule (plan.engine.is_schedule): a name in any case is a schedule, in YAML as in Engine(...)
+    path = tmp_path / "mine.yaml"
+    path.write_text("schema_version: 1\nname: mine\nschedules: [Interleaved, 1F1B]\n")
+    assert Engine.load(path).schedules == Engine(schedules=("Interleaved", "1F1B")).schedules == ("1f1b", "interleaved")
+    path.write_text("schema_version: 1\nname: mine\nschedules: [1f1b, 1F1B]\n")
+    with pytest.raises(ValueError, match="must be a list of distinct pipeline schedules") as err:
+        Engine.load(path)
+    assert str(err.value).startswith(str(path))
+
+
+def test_zero_with_pp_is_not_refused_where_no_pipeline_runs(capsys) -> None:
+    """zero_with_pp only applies where pp > 1: a search fixed to pp 1 is not refused for a stage the engine
+    runs without a pipeline only (torchtitan's 3), as a forced schedule is not; with pp 1 or 2 allowed it is."""
+    titan = Engine.load("torchtitan")
+    opts = engine_search_options({"pp": 1, "zero_with_pp": 3}, titan)
+    assert opts["zero_with_pp"] == (3,) and opts["zero"] == (0, 2, 3)
+    c = enumerate_space(GRAPH, a100_cluster(2, per_node=4), SearchOptions(global_batch=8, **opts)).columns
+    assert set(c["pp"].tolist()) == {1} and set(c["zero"][(c["dp"] * c["ep"] * c["cp"]) > 1].tolist()) == {0, 2, 3}
+    with pytest.raises(ValueError, match="not zero_with_pp 3: use --zero-with-pp / zero_with_pp= among 0, 2"):
+        engine_search_options({"pp": (1, 2), "zero_with_pp": 3}, titan)
+    job = ["--model", "gpt3-1.7b", "--cluster", "dgx-a100-80gb", "--global-batch", "64", "--seq-len", "2048",
+           "--engine", "torchtitan", "--zero-with-pp", "3"]
+    assert main(["plan", *job, "--pp", "1,2"]) == 2
+    assert "not zero_with_pp 3" in capsys.readouterr().err
