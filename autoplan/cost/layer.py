@@ -258,12 +258,15 @@ def sp_regathers(shape: BlockShape, config: ParallelConfig, engine: Engine) -> i
     computation', `grad_input = grad_output.matmul(weight)`, then `handle.wait()`) and Transformer Engine's
     LayerNormLinear (its ln_out re-gathered in backward; under userbuffers the bulk qkv_dgrad / fc1_dgrad
     all-gathers beside the dgrad GEMM) do it for the QKV projection and the MLP's input projection: 2 in a
-    dense block. A routed-expert block counts only the QKV projection (its experts' inputs come through the
-    token dispatcher, priced in cost/experts.py). 0 without SP, with tp 1, or where the gathered input is kept
-    (DTensor's ColwiseParallel: autoplan's executor, torchtitan)."""
+    dense block. A routed-expert block counts the QKV projection and, with shared experts, their MLP's input
+    projection (megatron/core/transformer/moe/shared_experts.py SharedExpertMLP(MLP): one MLP of
+    moe_shared_expert_intermediate_size, all the shared experts' width, its linear_fc1 column-parallel under
+    the config's sequence_parallel, fed the sequence-sharded hidden states by MoELayer.forward); its routed
+    experts' inputs come through the token dispatcher (cost/experts.py). 0 without SP, with tp 1, or where
+    the gathered input is kept (DTensor's ColwiseParallel: autoplan's executor, torchtitan)."""
     if config.tp == 1 or not config.sp or engine.sp_saves_gathered_input:
         return 0
-    return 1 if shape.num_experts else 2
+    return 1 + min(shape.dense_mlps, 1)  # QKV; the dense MLP's, or the shared experts' (dense_mlps: 1 / num_shared)
 
 
 def _te_phases_s(engine: Engine, cluster: ClusterSpec, group, hidden_bytes: float, times: ComputeTimes,

@@ -83,10 +83,12 @@ def test_under_te_overlap_the_regathers_join_the_backward_phase_its_gemms_hide()
     assert math.isclose(extra, 2 * _ag(cluster), rel_tol=1e-9)
 
 
-def test_a_routed_expert_block_regathers_only_the_qkv_input() -> None:
+def test_a_routed_expert_block_regathers_the_qkv_and_shared_expert_inputs() -> None:
     from autoplan.cost.shapes import block_shape
 
     shape = block_shape(gpt_graph(h=H, a=A, layers=1, seq=S).blocks[0], float(S))
     shard = dataclasses.replace(Engine(), sp_saves_gathered_input=False)
     moe = dataclasses.replace(shape, num_experts=8)  # its experts' inputs come through the token dispatcher
     assert sp_regathers(moe, ParallelConfig(tp=T, sp=True), shard) == 1
+    for shared in (1, 2):  # Megatron's SharedExpertMLP: the shared experts as one column-parallel MLP input
+        assert sp_regathers(dataclasses.replace(moe, num_shared=shared), ParallelConfig(tp=T, sp=True), shard) == 2
