@@ -127,3 +127,10 @@ def test_an_empty_space_names_zero0_1d_only_not_the_batch() -> None:
     assert "\n" not in str(err.value) and "divides global batch" not in str(err.value)
     with pytest.raises(ValueError, match="divides global batch 7"):  # an empty space for another cause
         autoplan.autoplan(GRAPH, a100_cluster(1, per_node=4), zero0_1d_only=True, **{**kwargs, "global_batch": 7})
+
+
+def test_a_zero0_1d_only_that_is_not_a_bool_is_refused_not_read_as_true() -> None:
+    with pytest.raises(ValueError, match="zero0_1d_only must be true or false, got 'no'"):
+        autoplan.autoplan(GRAPH, a100_cluster(1, per_node=4), global_batch=8, seq_len=128, zero0_1d_only="no")
+    assert engine_search_options({"zero0_1d_only": False}, TITAN)["zero0_1d_only"] is True  # the engine's stands
+    assert engine_search_options({"zero0_1d_only": None}, Engine())["zero0_1d_only"] is False
