@@ -194,49 +194,58 @@ def _tp_comm_s(layer: Layer, shape: BlockShape | None, cluster: ClusterSpec, con
     weight-gradient GEMM, then handle.wait()): the two column-parallel linears' (QKV, the MLP's input
     projection) backward collectives hide behind their own weight-gradient GEMMs, exposing max(0, comm -
     wgrad) each, the hidden part slowing the GEMM by contention_fraction.
-    Returns (forward part, total)."""
+    With SP an engine that saves the input shard re-gathers it in backward (sp_regathers): on the compute
+    stream, exposed; under tp_bwd_overlap beside the linear's input-gradient GEMM; under tp_comm_overlap one
+    more collective of the backward phase. Returns (forward part, total); a block's: _block_tp_comm_s."""
     if config.tp == 1:
         return 0.0, 0.0
     group = comm.group_placement(config, ("tp",), cluster.devices_per_node)
     if shape is not None:
-        reduce = (comm.reduce_scatter_s if config.sp else comm.all_reduce_s)(hidden_bytes, group, cluster)
-        one = (comm.all_gather_s(hidden_bytes, group, cluster) + reduce) if config.sp else reduce
-        fwd, bwd = 2 * one, 2 * one
-        # an early-stopping recompute ends before the MLP output projection and its reduction (projections.py)
-        skip = reduce if engine.recompute_early_stop and not shape.num_experts else 0.0
-        rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
-        f = contention_fraction(cluster, group)  # the tp communicator's NCCL channels (overlap.nccl_channels)
-        regathers = sp_regathers(shape, config, engine)
-        regather = comm.all_gather_s(hidden_bytes, group, cluster) if regathers else 0.0
-        if not (engine.tp_comm_overlap and config.sp) and not (engine.tp_bwd_overlap and times.wgrad_column_s):
-            bwd += regathers * regather  # on the compute stream, exposed
-        elif engine.tp_comm_overlap and config.sp:
-            bwd += regathers * regather  # one more collective of the backward phase that its GEMMs hide
-        if engine.tp_comm_overlap and config.sp and engine.tp_overlap_comm_sms_by_op and not shape.num_experts:
-            fwd, bwd, rec = _te_phases_s(engine, cluster, group, hidden_bytes, times, fwd, bwd, rec, skip > 0)
-        elif engine.tp_comm_overlap and config.sp:
-            # a phase with a TE margin (userbuffers.margin_phases): the margin-narrowed GEMMs run slower whatever
-            # the communication's length; one without: NCCL's channels over the hidden time
-            te_fwd, te_bwd = margin_phases(engine) if not shape.num_experts else (False, False)
-            fwd, bwd, rec = (max(c - g, 0.0) + ((m if c > 0 else 0.0) if te else f * min(c, g)) for c, g, m, te in
-                             ((fwd, times.gemm_fwd_s, times.margin_fwd_s, te_fwd),
-                              (bwd, times.gemm_bwd_s, times.margin_bwd_s, te_bwd),
-                              (rec, times.gemm_fwd_s, times.margin_fwd_s, te_fwd)))
-        elif engine.tp_bwd_overlap and times.wgrad_column_s:
-            # each column-parallel linear's input-gradient all-reduce (reduce-scatter with SP) runs beside
-            # its weight-gradient GEMM; the row-parallel ones' (SP: all-gathers) stay on the compute stream
-            grad = comm.reduce_scatter_s(hidden_bytes, group, cluster) if config.sp else one
-            bwd = bwd - 2 * grad + sum(max(grad - w, 0.0) + f * min(grad, w) for w in times.wgrad_column_s)
-            # each re-gathered input beside its linear's input-gradient GEMM, which has the weight-gradient
-            # GEMM's FLOPs (dY W against dY^T X): its time is taken as that GEMM's
-            bwd += sum(max(regather - w, 0.0) + f * min(regather, w) for w in times.wgrad_column_s[:regathers])
-        return fwd, fwd + bwd + rec
+        return _block_tp_comm_s(shape, cluster, config, recompute, hidden_bytes, times, engine, group)
     if layer.role is LayerRole.EMBEDDING:
         one = comm.all_reduce_s(hidden_bytes, group, cluster)
         return one, one
     if layer.role is LayerRole.HEAD:
         return 0.0, comm.all_reduce_s((layer.input_bytes or layer.output_bytes) * scale, group, cluster)
     return 0.0, 0.0
+
+
+def _block_tp_comm_s(shape: BlockShape, cluster: ClusterSpec, config: ParallelConfig, recompute: Recompute,
+                     hidden_bytes: float, times: ComputeTimes, engine: Engine, group) -> tuple[float, float]:
+    """_tp_comm_s of a block (forward part, total) on the tp `group`: its 2 + 2 collectives (+ a full
+    recompute's), the backward's SP re-gathers (sp_regathers), each exposed or overlapped as _tp_comm_s
+    describes."""
+    reduce = (comm.reduce_scatter_s if config.sp else comm.all_reduce_s)(hidden_bytes, group, cluster)
+    one = (comm.all_gather_s(hidden_bytes, group, cluster) + reduce) if config.sp else reduce
+    fwd, bwd = 2 * one, 2 * one
+    # an early-stopping recompute ends before the MLP output projection and its reduction (projections.py)
+    skip = reduce if engine.recompute_early_stop and not shape.num_experts else 0.0
+    rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
+    f = contention_fraction(cluster, group)  # the tp communicator's NCCL channels (overlap.nccl_channels)
+    regathers = sp_regathers(shape, config, engine)
+    regather = comm.all_gather_s(hidden_bytes, group, cluster) if regathers else 0.0
+    if (engine.tp_comm_overlap and config.sp) or not (engine.tp_bwd_overlap and times.wgrad_column_s):
+        # on the compute stream, exposed; or one more collective of the backward phase that TE's GEMMs hide
+        bwd += regathers * regather
+    if engine.tp_comm_overlap and config.sp and engine.tp_overlap_comm_sms_by_op and not shape.num_experts:
+        fwd, bwd, rec = _te_phases_s(engine, cluster, group, hidden_bytes, times, fwd, bwd, rec, skip > 0)
+    elif engine.tp_comm_overlap and config.sp:
+        # a phase with a TE margin (userbuffers.margin_phases): the margin-narrowed GEMMs run slower whatever
+        # the communication's length; one without: NCCL's channels over the hidden time
+        te_fwd, te_bwd = margin_phases(engine) if not shape.num_experts else (False, False)
+        fwd, bwd, rec = (max(c - g, 0.0) + ((m if c > 0 else 0.0) if te else f * min(c, g)) for c, g, m, te in
+                         ((fwd, times.gemm_fwd_s, times.margin_fwd_s, te_fwd),
+                          (bwd, times.gemm_bwd_s, times.margin_bwd_s, te_bwd),
+                          (rec, times.gemm_fwd_s, times.margin_fwd_s, te_fwd)))
+    elif engine.tp_bwd_overlap and times.wgrad_column_s:
+        # each column-parallel linear's input-gradient all-reduce (reduce-scatter with SP) runs beside
+        # its weight-gradient GEMM; the row-parallel ones' (SP: all-gathers) stay on the compute stream
+        grad = comm.reduce_scatter_s(hidden_bytes, group, cluster) if config.sp else one
+        bwd = bwd - 2 * grad + sum(max(grad - w, 0.0) + f * min(grad, w) for w in times.wgrad_column_s)
+        # each re-gathered input beside its linear's input-gradient GEMM, which has the weight-gradient
+        # GEMM's FLOPs (dY W against dY^T X): its time is taken as that GEMM's
+        bwd += sum(max(regather - w, 0.0) + f * min(regather, w) for w in times.wgrad_column_s[:regathers])
+    return fwd, fwd + bwd + rec
 
 
 def sp_regathers(shape: BlockShape, config: ParallelConfig, engine: Engine) -> int:
@@ -249,12 +258,15 @@ def sp_regathers(shape: BlockShape, config: ParallelConfig, engine: Engine) -> i
     computation', `grad_input = grad_output.matmul(weight)`, then `handle.wait()`) and Transformer Engine's
     LayerNormLinear (its ln_out re-gathered in backward; under userbuffers the bulk qkv_dgrad / fc1_dgrad
     all-gathers beside the dgrad GEMM) do it for the QKV projection and the MLP's input projection: 2 in a
-    dense block. A routed-expert block counts only the QKV projection (its experts' inputs come through the
-    token dispatcher, priced in cost/experts.py). 0 without SP, with tp 1, or where the gathered input is kept
-    (DTensor's ColwiseParallel: autoplan's executor, torchtitan)."""
+    dense block. A routed-expert block counts the QKV projection and, with shared experts, their MLP's input
+    projection (megatron/core/transformer/moe/shared_experts.py SharedExpertMLP(MLP): one MLP of
+    moe_shared_expert_intermediate_size, all the shared experts' width, its linear_fc1 column-parallel under
+    the config's sequence_parallel, fed the sequence-sharded hidden states by MoELayer.forward); its routed
+    experts' inputs come through the token dispatcher (cost/experts.py). 0 without SP, with tp 1, or where
+    the gathered input is kept (DTensor's ColwiseParallel: autoplan's executor, torchtitan)."""
     if config.tp == 1 or not config.sp or engine.sp_saves_gathered_input:
         return 0
-    return 1 if shape.num_experts else 2
+    return 1 + min(shape.dense_mlps, 1)  # QKV; the dense MLP's, or the shared experts' (dense_mlps: 1 / num_shared)
 
 
 def _te_phases_s(engine: Engine, cluster: ClusterSpec, group, hidden_bytes: float, times: ComputeTimes,

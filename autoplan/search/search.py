@@ -66,7 +66,7 @@ def search(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, *, c
         status(f"enumerating configurations for {cluster.num_devices} devices")
         space = enumerate_space(graph, cluster, options)
         if not len(space):
-            raise ValueError(_empty_space_message(graph, cluster, options))
+            raise ValueError(_empty_space_message(graph, cluster, options, space))
         status(f"quick estimates of {len(space):,} candidates")
         quick = _quick_estimates(graph, cluster, space, options.global_batch, cost)
         found = _exact_rounds(graph, cluster, space, quick, options, cost, status)
@@ -277,8 +277,15 @@ def _to_plan(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, ca
                 sample_shape=() if graph.vocab_size else getattr(graph, "input_shape", ()))
 
 
-def _empty_space_message(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions) -> str:
+def _empty_space_message(graph: LayerGraph, cluster: ClusterSpec, options: SearchOptions, space: Space) -> str:
+    """Why the enumeration is empty: zero 0 refused beside the fixed degrees (SearchOptions.zero0_1d_only,
+    the only cause when the same space without it has rows), else the divisibility rules."""
     n = cluster.num_devices
+    if options.zero0_1d_only and len(enumerate_space(graph, cluster, replace(options, zero0_1d_only=False))):
+        return ("every configuration the fixed degrees allow runs zero 0 beside data parallelism and another "
+                "dimension (tp, pp, cp or ep > 1), which zero0_1d_only refuses (the engine's, or --zero0-1d-only: "
+                "zero 0 only as the only parallel dimension): add a ZeRO stage among 1, 2, 3 to --zero / zero=, or relax the fixed "
+                "degrees")
     return (f"no parallel configuration of {n} devices divides global batch {options.global_batch} "
             f"(dp*ep replicas must divide it; pp <= {len(graph.blocks)} blocks; tp must divide a node of "
             f"{cluster.devices_per_node}, the heads, the FFN width and the vocabulary of {graph.vocab_size}; "

@@ -120,9 +120,17 @@ def engine_search_options(options: dict[str, Any], engine: Engine) -> dict[str, 
     out = dict(options)
     out["zero"] = engine_zero(options.get("zero"), engine, pipelined=pipelined)
     out["zero_with_pp"] = engine_zero_with_pp(options.get("zero_with_pp"), out["zero"], engine, flat=flat)
-    out["zero0_1d_only"] = bool(options.get("zero0_1d_only", False)) or engine.zero0_1d_only
+    out["zero0_1d_only"] = _zero0_1d_only(options.get("zero0_1d_only"), engine)
     out["schedules"] = engine_schedules(options.get("schedules"), engine, flat=flat)
     return out
+
+
+def _zero0_1d_only(given: object, engine: Engine) -> object:
+    """The caller's zero0_1d_only or the engine's (None, the CLI's unset flag: the engine's); a value that is
+    not a bool is passed on for SearchOptions' one-line refusal (bool() of it would take 'no' as true)."""
+    if given is None:
+        return engine.zero0_1d_only
+    return (given or engine.zero0_1d_only) if isinstance(given, bool) else given
 
 
 def engine_zero(zero: object, engine: Engine, *, pipelined: bool = False) -> tuple:

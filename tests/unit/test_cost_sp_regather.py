@@ -68,3 +68,27 @@ def test_regathers_counted_only_where_the_shard_is_saved() -> None:
     assert sp_regathers(shape, ParallelConfig(tp=1, sp=True), shard) == 0
     assert sp_regathers(shape, ParallelConfig(tp=T, sp=True), Engine.load("torchtitan")) == 0
     assert sp_regathers(shape, ParallelConfig(tp=T, sp=True), Engine.load("megatron-core")) == 2
+
+
+def test_under_te_overlap_the_regathers_join_the_backward_phase_its_gemms_hide() -> None:
+    """tp_comm_overlap with SP (no TE margin, no per-op SMs): the backward phase exposes max(0, comm - GEMMs)
+    plus contention on the hidden part; on a link slow enough that the phase's 2 AG + 2 RS already outlast its
+    GEMMs, the shard-saving engine's 2 more all-gathers are exposed whole (slope 1 past the GEMMs)."""
+    cluster = dataclasses.replace(IDEAL, intra_node=dataclasses.replace(IDEAL.intra_node, bw_bytes_per_s=3e9))
+    te = dataclasses.replace(Engine(), tp_comm_overlap=True)
+    gemm_bwd = 2 * 2.0 * B * S * 12 * H * H / T / 312e12  # dgrad + wgrad of the block's 12 h^2 weights, at peak
+    assert 4 * _ag(cluster) > gemm_bwd  # the kept engine's backward comm (2 AG + 2 RS) outlasts its GEMMs
+    extra = _tp_s(dataclasses.replace(te, sp_saves_gathered_input=False), cluster) - _tp_s(
+        dataclasses.replace(te, sp_saves_gathered_input=True), cluster)
+    assert math.isclose(extra, 2 * _ag(cluster), rel_tol=1e-9)
+
+
+def test_a_routed_expert_block_regathers_the_qkv_and_shared_expert_inputs() -> None:
+    from autoplan.cost.shapes import block_shape
+
+    shape = block_shape(gpt_graph(h=H, a=A, layers=1, seq=S).blocks[0], float(S))
+    shard = dataclasses.replace(Engine(), sp_saves_gathered_input=False)
+    moe = dataclasses.replace(shape, num_experts=8)  # its experts' inputs come through the token dispatcher
+    assert sp_regathers(moe, ParallelConfig(tp=T, sp=True), shard) == 1
+    for shared in (1, 2):  # Megatron's SharedExpertMLP: the shared experts as one column-parallel MLP input
+        assert sp_regathers(dataclasses.replace(moe, num_shared=shared), ParallelConfig(tp=T, sp=True), shard) == 2

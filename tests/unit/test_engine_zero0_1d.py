@@ -116,3 +116,21 @@ def test_the_plan_flag_asks_it_of_any_engine() -> None:
                             SearchOptions(global_batch=8, tp=(2,), dp=(2,), microbatch=(1,), recompute=("none",),
                                           sp=(False,), zero0_1d_only=True))
     assert sorted(space.columns["zero"].tolist()) == [1, 2, 3]  # autoplan's stages less 0 beside tp 2
+
+
+def test_an_empty_space_names_zero0_1d_only_not_the_batch() -> None:
+    # four devices, tp 2 and dp 2 fixed, zero 0 only: the one row (tp 2, dp 2, zero 0) is the refused kind
+    kwargs = {"global_batch": 8, "seq_len": 128, "tp": 2, "dp": 2, "zero": 0, "microbatch": 1, "sp": False,
+              "recompute": "none"}
+    with pytest.raises(ValueError, match="runs zero 0 beside data parallelism and another dimension") as err:
+        autoplan.autoplan(GRAPH, a100_cluster(1, per_node=4), zero0_1d_only=True, **kwargs)
+    assert "\n" not in str(err.value) and "divides global batch" not in str(err.value)
+    with pytest.raises(ValueError, match="divides global batch 7"):  # an empty space for another cause
+        autoplan.autoplan(GRAPH, a100_cluster(1, per_node=4), zero0_1d_only=True, **{**kwargs, "global_batch": 7})
+
+
+def test_a_zero0_1d_only_that_is_not_a_bool_is_refused_not_read_as_true() -> None:
+    with pytest.raises(ValueError, match="zero0_1d_only must be true or false, got 'no'"):
+        autoplan.autoplan(GRAPH, a100_cluster(1, per_node=4), global_batch=8, seq_len=128, zero0_1d_only="no")
+    assert engine_search_options({"zero0_1d_only": False}, TITAN)["zero0_1d_only"] is True  # the engine's stands
+    assert engine_search_options({"zero0_1d_only": None}, Engine())["zero0_1d_only"] is False
