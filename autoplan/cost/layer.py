@@ -216,19 +216,20 @@ def _block_tp_comm_s(shape: BlockShape, cluster: ClusterSpec, config: ParallelCo
     recompute's), the backward's SP re-gathers (sp_regathers), each exposed or overlapped as _tp_comm_s
     describes."""
     reduce = (comm.reduce_scatter_s if config.sp else comm.all_reduce_s)(hidden_bytes, group, cluster)
-    one = (comm.all_gather_s(hidden_bytes, group, cluster) + reduce) if config.sp else reduce
+    gather = comm.all_gather_s(hidden_bytes, group, cluster) if config.sp else 0.0  # SP's all-gather, priced once
+    one = gather + reduce if config.sp else reduce
     fwd, bwd = 2 * one, 2 * one
     # an early-stopping recompute ends before the MLP output projection and its reduction (projections.py)
     skip = reduce if engine.recompute_early_stop and not shape.num_experts else 0.0
     rec = 2 * one - skip if recompute is Recompute.FULL else 0.0
     f = contention_fraction(cluster, group)  # the tp communicator's NCCL channels (overlap.nccl_channels)
     regathers = sp_regathers(shape, config, engine)
-    regather = comm.all_gather_s(hidden_bytes, group, cluster) if regathers else 0.0
+    regather = gather if regathers else 0.0  # the same b s h all-gather (sp_regathers is 0 without SP)
     if (engine.tp_comm_overlap and config.sp) or not (engine.tp_bwd_overlap and times.wgrad_column_s):
         # on the compute stream, exposed; or one more collective of the backward phase that TE's GEMMs hide
         bwd += regathers * regather
     if engine.tp_comm_overlap and config.sp and engine.tp_overlap_comm_sms_by_op and not shape.num_experts:
-        fwd, bwd, rec = _te_phases_s(engine, cluster, group, hidden_bytes, times, fwd, bwd, rec, skip > 0)
+        fwd, bwd, rec = _te_phases_s(engine, cluster, gather, reduce, times, fwd, bwd, rec, skip > 0)
     elif engine.tp_comm_overlap and config.sp:
         # a phase with a TE margin (userbuffers.margin_phases): the margin-narrowed GEMMs run slower whatever
         # the communication's length; one without: NCCL's channels over the hidden time
@@ -240,7 +241,7 @@ def _block_tp_comm_s(shape: BlockShape, cluster: ClusterSpec, config: ParallelCo
     elif engine.tp_bwd_overlap and times.wgrad_column_s:
         # each column-parallel linear's input-gradient all-reduce (reduce-scatter with SP) runs beside
         # its weight-gradient GEMM; the row-parallel ones' (SP: all-gathers) stay on the compute stream
-        grad = comm.reduce_scatter_s(hidden_bytes, group, cluster) if config.sp else one
+        grad = reduce  # the reduce-scatter with SP, else the all-reduce (= one)
         bwd = bwd - 2 * grad + sum(max(grad - w, 0.0) + f * min(grad, w) for w in times.wgrad_column_s)
         # each re-gathered input beside its linear's input-gradient GEMM, which has the weight-gradient
         # GEMM's FLOPs (dY W against dY^T X): its time is taken as that GEMM's
@@ -269,16 +270,15 @@ def sp_regathers(shape: BlockShape, config: ParallelConfig, engine: Engine) -> i
     return 1 + min(shape.dense_mlps, 1)  # QKV; the dense MLP's, or the shared experts' (dense_mlps: 1 / num_shared)
 
 
-def _te_phases_s(engine: Engine, cluster: ClusterSpec, group, hidden_bytes: float, times: ComputeTimes,
+def _te_phases_s(engine: Engine, cluster: ClusterSpec, ag: float, rs: float, times: ComputeTimes,
                  fwd: float, bwd: float, rec: float, early_stop: bool) -> tuple[float, float, float]:
     """A dense block's (forward, backward, recompute) TP seconds under TE userbuffers with
     engine.tp_overlap_comm_sms_by_op: each phase exposes max(0, comm - GEMMs), pays its margin-narrowed GEMMs'
     loss (times.margin_*_s, where the phase communicates) and the SMs its margin-free overlaps' communication
     kernels hold (userbuffers.comm_contention_s: num_sm / num_sms of each one's all-gather or reduce-scatter),
     of the part the GEMMs hide (min(comm, GEMMs) / comm), in place of NCCL's channels. An early-stopping
-    recompute (`early_stop`: it ends before the MLP output projection) runs no fc2_fprop reduce-scatter."""
-    ag = comm.all_gather_s(hidden_bytes, group, cluster)
-    rs = comm.reduce_scatter_s(hidden_bytes, group, cluster)
+    recompute (`early_stop`: it ends before the MLP output projection) runs no fc2_fprop reduce-scatter.
+    `ag`, `rs`: the block's b s h all-gather and reduce-scatter on the tp group (_block_tp_comm_s prices them)."""
     held_fwd, held_bwd = comm_contention_s(engine, cluster.device.num_sms, ag, rs)
     held_rec = comm_contention_s(engine, cluster.device.num_sms, ag, rs, ("fc2_fprop",))[0] if early_stop else held_fwd
     return tuple(max(c - g, 0.0) + ((m + held * min(c, g) / c) if c > 0 else 0.0) for c, g, m, held in
