@@ -218,7 +218,7 @@ class Engine:
         self._check_launch_blocking()
         self._check_zero_stages()
         self._check_schedules()
-        self._check_margin_by_op()
+        self._check_sms_by_op()
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if f.type == "bool" and not isinstance(value, bool):
@@ -226,10 +226,11 @@ class Engine:
             if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"engine field {f.name!r} must be a non-negative integer, got {value!r}")
 
-    def _check_margin_by_op(self) -> None:
-        """tp_overlap_margin_sms_by_op as sorted (op, SMs) pairs (a mapping, or the pairs a JSON list of lists
-        comes back as), each op among TE_UB_OPS once, each count a non-negative integer."""
-        for name in ("tp_overlap_margin_sms_by_op", "tp_overlap_comm_sms_by_op"):  # and the comm SMs alike
+    def _check_sms_by_op(self) -> None:
+        """tp_overlap_margin_sms_by_op and tp_overlap_comm_sms_by_op, each as sorted (op, SMs) pairs (a mapping,
+        or the pairs a JSON list of lists comes back as), each op among TE_UB_OPS once, each count a
+        non-negative integer."""
+        for name in ("tp_overlap_margin_sms_by_op", "tp_overlap_comm_sms_by_op"):
             given = getattr(self, name)
             try:
                 pairs = list(given.items()) if isinstance(given, dict) else [tuple(p) for p in given]
